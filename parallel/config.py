@@ -1,0 +1,325 @@
+"""Typed configuration: the schemas behind conf/ and every cross-field rule.
+
+Each config group (strategy, model, data, optim, trainer, memory) has a dataclass
+here, stored in Hydra's ConfigStore as the base of the root config, so a wrong
+type or an unknown key fails while Hydra composes. Rules that relate several
+fields live in :func:`validate`, which runs once, before any worker starts, and
+raises :class:`ConfigError` naming the key, the value, the rule and the options.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+TASKS = ("regression", "classification", "lm")
+PRECISIONS = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("cosine", "constant")
+ZERO_LEVELS = (0, 1, 2, 3)
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: reported without a traceback."""
+
+
+def fail(key: str, value: Any, rule: str, options: Any = None) -> None:
+    """Raise a ConfigError that names the key, the value, the rule and the options."""
+    msg = f"{key}={value!r}: {rule}"
+    if options is not None:
+        msg += f" (valid: {options})"
+    raise ConfigError(msg)
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "single"
+    # Data-parallel degree; None derives it from the world size.
+    dp: Optional[int] = None
+    # 0: DDP, 1: optimizer state sharded, 2: + gradients (FSDP2, no reshard
+    # after forward), 3: + parameters (FSDP2, reshard after forward).
+    zero: int = 0
+
+
+@dataclass
+class ModelConfig:
+    # A built-in model's name (see parallel.models.MODELS), or "custom".
+    name: str = "mlp"
+    # A user factory "package.module.callable" returning an nn.Module; when
+    # set it replaces the built-in and receives `args` as keyword arguments.
+    _target_: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    task: str = "regression"
+    features: int = 32
+    targets: int = 4
+    classes: int = 10
+    vocab_size: int = 64
+    seq_len: int = 32
+    # Standard deviation of the label noise (regression).
+    noise: float = 0.01
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 5e-3
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    # The cosine schedule decays to lr * min_lr_ratio at the last step.
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 50
+    seed: int = 0
+    # The global batch: split over data-parallel ranks, then over grad_accum.
+    batch_size: int = 32
+    grad_accum: int = 1
+    log_every: int = 10
+    # Clip the global gradient norm to this value; 0 disables clipping.
+    clip_grad_norm: float = 1.0
+    device: str = "auto"
+    precision: str = "auto"
+    # Seconds a collective may wait before the run fails instead of hanging.
+    timeout_s: float = 300.0
+    progress: bool = True
+    # Write the trained weights, gathered and unpartitioned, to <run_dir>/final_model.pt.
+    save_final: bool = False
+
+
+@dataclass
+class MemoryConfig:
+    # Per-device budget for the planner, e.g. "512MB" or 80e9; None: the device's own.
+    budget: Optional[str] = None
+    # Per-process CUDA memory cap (0, 1]; lets several jobs share a GPU. No effect on CPU.
+    fraction: Optional[float] = None
+
+
+@dataclass
+class Config:
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # Workers to start when not under torchrun; None: 1, or torchrun's world size.
+    nproc: Optional[int] = None
+    # Where the run writes; None: Hydra's output directory (or, under torchrun,
+    # one chosen by rank 0 and shared with every rank).
+    run_dir: Optional[str] = None
+
+
+def _model_outputs(task: str, targets: int, classes: int, vocab_size: int) -> int:
+    """Width of the model's output for a task (used by conf/model/*.yaml)."""
+    return {"regression": targets, "classification": classes, "lm": vocab_size}.get(task, targets)
+
+
+def register_configs() -> None:
+    """Store the root schema so conf/config.yaml can extend it."""
+    if not OmegaConf.has_resolver("parallel_outputs"):
+        OmegaConf.register_new_resolver("parallel_outputs", _model_outputs)
+    if not OmegaConf.has_resolver("parallel_run_dir"):
+        # hydra.run.dir: the user's run_dir when set, else Hydra's dated default.
+        OmegaConf.register_new_resolver("parallel_run_dir", lambda chosen, default: chosen or default)
+    ConfigStore.instance().store(name="parallel_schema", node=Config)
+
+
+register_configs()
+
+
+# ---------------------------------------------------------------------------
+# Cross-field validation: one place, before any worker starts.
+# ---------------------------------------------------------------------------
+
+def to_config(cfg: DictConfig | dict) -> Config:
+    """Turn a composed DictConfig (or its plain-dict form) into typed dataclasses."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        fail(key, value, f"must be an integer >= {low}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check every rule that spans fields; raise ConfigError on the first broken one.
+
+    Args:
+        cfg: the typed configuration.
+        world_size: the number of workers the run will have.
+    """
+    from parallel.dims import ParallelDims
+    from parallel.strategies import STRATEGIES
+
+    t = cfg.trainer
+    for key in ("steps", "batch_size", "grad_accum", "log_every"):
+        _positive(f"trainer.{key}", getattr(t, key))
+    _positive("trainer.seed", t.seed, allow_zero=True)
+    if t.clip_grad_norm < 0:
+        fail("trainer.clip_grad_norm", t.clip_grad_norm, "must be >= 0 (0 disables clipping)")
+    if t.timeout_s <= 0:
+        fail("trainer.timeout_s", t.timeout_s, "must be > 0 seconds")
+    if t.device not in DEVICES:
+        fail("trainer.device", t.device, "unknown device", list(DEVICES))
+    if t.precision not in PRECISIONS:
+        fail("trainer.precision", t.precision, "unknown precision", list(PRECISIONS))
+    if cfg.nproc is not None:
+        _positive("nproc", cfg.nproc)
+    _validate_optim(cfg.optim)
+    _validate_data(cfg.data)
+    _validate_memory(cfg.memory)
+
+    s = cfg.strategy
+    if s.name not in STRATEGIES:
+        fail("strategy.name", s.name, "unknown strategy", sorted(STRATEGIES))
+    if s.zero not in ZERO_LEVELS:
+        fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
+    if s.name == "single" and world_size != 1:
+        fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
+             "strategy=data for several processes")
+    if s.name == "single" and s.zero != 0:
+        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data")
+    dims = ParallelDims.from_config(s, world_size)
+    per_rank = t.batch_size // dims.dp
+    if t.batch_size % dims.dp:
+        fail("trainer.batch_size", t.batch_size,
+             f"the global batch must divide by the data-parallel degree {dims.dp}",
+             f"a multiple of {dims.dp}")
+    if per_rank % t.grad_accum:
+        fail("trainer.grad_accum", t.grad_accum,
+             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {dims.dp})",
+             [d for d in range(1, per_rank + 1) if per_rank % d == 0])
+    validate_model(cfg.model)
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    if o.name != "adamw":
+        fail("optim.name", o.name, "unknown optimizer", ["adamw"])
+    if not o.lr > 0:
+        fail("optim.lr", o.lr, "must be > 0")
+    if o.weight_decay < 0:
+        fail("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)")
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if o.schedule not in LR_SCHEDULES:
+        fail("optim.schedule", o.schedule, "unknown schedule", list(LR_SCHEDULES))
+    if not 0 <= o.min_lr_ratio <= 1:
+        fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+
+
+def _validate_data(d: DataConfig) -> None:
+    if d.name != "synthetic":
+        fail("data.name", d.name, "unknown data source", ["synthetic"])
+    if d.task not in TASKS:
+        fail("data.task", d.task, "unknown task", list(TASKS))
+    for key in ("features", "targets", "classes", "vocab_size", "seq_len"):
+        _positive(f"data.{key}", getattr(d, key))
+    if d.noise < 0:
+        fail("data.noise", d.noise, "must be >= 0")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse '512MB', '80GB', '1.5GiB' or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _validate_memory(m: MemoryConfig) -> None:
+    if m.budget is not None:
+        try:
+            if parse_bytes(m.budget) <= 0:
+                raise ValueError
+        except ValueError:
+            fail("memory.budget", m.budget, "must be a positive size", "e.g. 512MB, 80GB, 1.5GiB, 1000000")
+    if m.fraction is not None and not 0 < m.fraction <= 1:
+        fail("memory.fraction", m.fraction, "must be in (0, 1]")
+
+
+def resolve_factory(m: ModelConfig):
+    """The callable that builds the model: a built-in, or the user's `_target_`."""
+    from parallel.models import MODELS
+
+    if m._target_:
+        mod_name, _, attr = m._target_.rpartition(".")
+        if not mod_name:
+            fail("model._target_", m._target_, "must be a dotted path 'package.module.callable'")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as e:
+            fail("model._target_", m._target_, f"cannot be imported ({type(e).__name__}: {e})")
+        if not callable(factory):
+            fail("model._target_", m._target_, "is not callable")
+        return factory
+    if m.name not in MODELS:
+        fail("model.name", m.name, "unknown model; use a built-in or set model._target_",
+             sorted(MODELS))
+    return MODELS[m.name]
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Check that the factory exists and accepts `model.args`."""
+    factory = resolve_factory(m)
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        sig = None  # a builtin or C callable: its arguments are checked by calling it
+    if sig is not None:
+        try:
+            sig.bind(**m.args)
+        except TypeError as e:
+            hint = ""
+            if m._target_ and m.name != "custom":
+                hint = f"; model.args holds the built-in '{m.name}' arguments: start from model=custom"
+            fail("model.args", dict(m.args),
+                 f"do not fit {getattr(factory, '__qualname__', factory)}{sig}: {e}{hint}",
+                 list(sig.parameters))
+    build_meta_model(m)
+
+
+def build_meta_model(m: ModelConfig):
+    """Build the model on the meta device (no memory) and check it is an nn.Module."""
+    import torch
+    from torch import nn
+
+    factory = resolve_factory(m)
+    try:
+        with torch.device("meta"):
+            model = factory(**m.args)
+    except (TypeError, ValueError) as e:
+        key = "model._target_" if m._target_ else f"model={m.name}"
+        fail(key, dict(m.args), f"building the model failed: {type(e).__name__}: {e}")
+    if not isinstance(model, nn.Module):
+        key = "model._target_" if m._target_ else "model.name"
+        fail(key, m._target_ or m.name, f"must return an nn.Module, returned {type(model).__name__}")
+    from parallel.init import check_initializable
+
+    try:
+        check_initializable(model)
+    except ValueError as e:
+        fail("model", m._target_ or m.name, str(e))
+    return model

@@ -1,0 +1,106 @@
+"""Materialize a meta-device model and initialize it independently of partitioning.
+
+# Note [initialization by name]
+Every parameter and buffer is filled from its own generator, seeded by
+(seed, fully qualified name in the unpartitioned model). The full tensor is
+computed on the CPU and each rank keeps only the piece it owns (a DTensor shard,
+or the whole tensor), so the initial weights are the same whatever the strategy,
+world size or stage split. Strategies therefore keep the original names.
+The values follow PyTorch's own defaults for each layer type; a module with
+parameters of its own kind provides `init_parameter(name, tensor, generator)`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def name_seed(seed: int, fqn: str) -> int:
+    """A stable 63-bit seed from (seed, name); Python's hash() is salted per process."""
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _uniform_fan_in(fan_in: int) -> Callable:
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    return lambda t, g: t.uniform_(-bound, bound, generator=g)
+
+
+def _rule(module: nn.Module, local_name: str, full: torch.Tensor) -> Callable | None:
+    """PyTorch's default initialization of `module.<local_name>`, as (tensor, generator) -> None."""
+    if hasattr(module, "init_parameter"):
+        return lambda t, g: module.init_parameter(local_name, t, g)
+    if isinstance(module, (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)):
+        # kaiming_uniform(a=sqrt(5)) on the weight and the bias bound both reduce to 1/sqrt(fan_in).
+        weight = module.weight
+        fan_in = weight.shape[1] * math.prod(weight.shape[2:]) if weight.dim() > 1 else weight.shape[0]
+        if isinstance(module, nn.modules.conv._ConvTransposeNd):
+            fan_in = weight.shape[0] * math.prod(weight.shape[2:])
+        return _uniform_fan_in(fan_in)
+    if isinstance(module, nn.Embedding):
+        return lambda t, g: t.normal_(0.0, 1.0, generator=g)
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+    if isinstance(module, norms):
+        if local_name in ("weight", "running_var"):
+            return lambda t, g: t.fill_(1)
+        if local_name in ("bias", "running_mean", "num_batches_tracked"):
+            return lambda t, g: t.zero_()
+    return None
+
+
+def full_init_value(module: nn.Module, local_name: str, fqn: str, shape, dtype, seed: int) -> torch.Tensor:
+    """The initial value of one parameter or buffer, computed whole on the CPU."""
+    full = torch.empty(shape, dtype=dtype, device="cpu")
+    rule = _rule(module, local_name, full)
+    if rule is None:
+        raise ValueError(
+            f"cannot initialize '{fqn}' of {type(module).__name__}: no default rule for it. "
+            f"Give {type(module).__name__} a method init_parameter(self, name, tensor, generator) "
+            "that fills `tensor` in place using `generator`.")
+    gen = torch.Generator(device="cpu").manual_seed(name_seed(seed, fqn))
+    with torch.no_grad():
+        rule(full, gen)
+    return full
+
+
+def _global_shape(t: torch.Tensor):
+    return t.shape  # a DTensor reports its global shape
+
+
+@torch.no_grad()
+def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """Allocate every meta tensor of `model` on `device`, then fill it per Note [initialization by name].
+
+    Args:
+        model: the (possibly sharded) model, still on the meta device.
+        device: where this rank's pieces live.
+        seed: the run's seed (trainer.seed).
+    """
+    model.to_empty(device=device)
+    for mod_name, module in model.named_modules():
+        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        for local_name, tensor in tensors:
+            fqn = f"{mod_name}.{local_name}" if mod_name else local_name
+            full = full_init_value(module, local_name, fqn, _global_shape(tensor), tensor.dtype, seed)
+            if isinstance(tensor, DTensor):
+                # Every rank computed the same full value, so each keeps its own piece
+                # without communication (src_data_rank=None).
+                piece = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(piece.to_local())
+            else:
+                tensor.copy_(full)
+    return model
+
+
+def check_initializable(model: nn.Module) -> None:
+    """Raise ValueError naming the first parameter or buffer with no initialization rule."""
+    for mod_name, module in model.named_modules():
+        for local_name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if _rule(module, local_name, tensor) is None:
+                fqn = f"{mod_name}.{local_name}" if mod_name else local_name
+                full_init_value(module, local_name, fqn, (0,), tensor.dtype, 0)  # raises with the message

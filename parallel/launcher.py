@@ -1,0 +1,149 @@
+"""Start the workers of a run, or be one of them.
+
+Three ways in, one body (`_work`):
+  * plain `python launch/train.py` with nproc=1: this process is the only worker;
+  * plain `python launch/train.py nproc=N` (also each job of a Hydra sweep): this
+    process starts N workers through PyTorch's elastic launch API and waits;
+  * under `torchrun`: this process is one worker among WORLD_SIZE.
+
+# Note [one run directory]
+All ranks of a run must write into the same directory. Hydra derives its output
+directory from `${now:}`, which each torchrun worker would evaluate on its own,
+so under torchrun rank 0 picks the directory and broadcasts it, and Hydra is
+told to write nothing (train.py). Otherwise the launching process fixes the
+directory before any worker starts and hands it to each of them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+from parallel.config import ConfigError, to_config
+from parallel.dims import ParallelDims, device_for_rank
+from parallel.metrics import log, setup_logging
+
+
+def under_torchrun() -> bool:
+    """True inside a worker started by torchrun (or any torchelastic agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
+    """Run `nproc` workers on this machine and wait; a failed worker ends the run.
+
+    Args:
+        cfg_dict: the validated config as a plain dict (it crosses process boundaries).
+        run_dir: the run directory, fixed before the workers start.
+        nproc: how many workers.
+    Raises:
+        WorkerFailed: naming the first failed rank and its error.
+    """
+    if nproc == 1:
+        _work(cfg_dict, run_dir, single_process=True)
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        # As torchrun --standalone does: a private rendezvous on a free local port.
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()),
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, entrypoint=worker)(cfg_dict, run_dir)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise WorkerFailed(rank, _failure_message(failure)) from None
+
+
+class WorkerFailed(RuntimeError):
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"worker rank {rank} failed: {message}")
+        self.rank = rank
+
+
+def _failure_message(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # the error file's record
+        message = message.get("message", message)
+    if not message or message == "<N/A>" or (isinstance(message, str) and message.startswith("To enable traceback")):
+        message = f"exit code {failure.exitcode}"
+    return str(message)
+
+
+@record
+def worker(cfg_dict: dict, run_dir: str | None) -> None:
+    """The entry point of one worker process (spawned by `launch`, or run by torchrun)."""
+    _work(cfg_dict, run_dir, single_process=False)
+
+
+def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
+    cfg = to_config(cfg_dict)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = device_for_rank(cfg.trainer.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if cfg.memory.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(cfg.memory.fraction, device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=cfg.trainer.timeout_s)
+    if single_process:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    try:
+        run_dir = _agree_on_run_dir(run_dir, cfg_dict)
+        _train(cfg, Path(run_dir), device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _agree_on_run_dir(run_dir: str | None, cfg_dict: dict) -> str:
+    """See Note [one run directory]."""
+    if run_dir is None:
+        choice = [None]
+        if dist.get_rank() == 0:
+            choice[0] = cfg_dict.get("run_dir") or time.strftime("outputs/%Y-%m-%d/%H-%M-%S-torchrun")
+            Path(choice[0], ".hydra").mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(OmegaConf.create(cfg_dict), Path(choice[0], ".hydra", "config.yaml"))
+            OmegaConf.save(OmegaConf.create(sys.argv[1:]), Path(choice[0], ".hydra", "overrides.yaml"))
+        dist.broadcast_object_list(choice, src=0)
+        run_dir = choice[0]
+    return str(Path(run_dir).resolve())
+
+
+def _train(cfg, run_dir: Path, device: torch.device) -> None:
+    from parallel.trainer import build_run, save_final, train
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    setup_logging(run_dir, rank)
+    if cfg.memory.fraction is not None and device.type != "cuda":
+        log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
+    dims = ParallelDims.from_config(cfg.strategy, world)
+    log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name, world, device)
+    run = build_run(cfg, dims, device)
+    train(cfg, run, run_dir)
+    if cfg.trainer.save_final:
+        save_final(run.model, run_dir / "final_model.pt")
+    log.info("done: %s", run_dir)
+
+
+def check_world_size(nproc: int | None) -> int:
+    """The world size of this run: torchrun's, or nproc (default 1)."""
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            raise ConfigError(f"nproc={nproc}: torchrun started {world} workers; "
+                              "drop nproc under torchrun (it sets the world size)")
+        return world
+    return 1 if nproc is None else nproc

@@ -1,0 +1,135 @@
+"""What a run reports: TensorBoard events, metrics.jsonl, peak memory, a progress bar.
+
+Only the rank that holds the loss writes TensorBoard and metrics.jsonl; every
+rank's peak memory is gathered to it at each logged step. Other ranks write
+their messages to logs/rank<N>.log in the run directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel.memory.tracker import LiveTensorBytes, state_tensors
+
+log = logging.getLogger("parallel")
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Rank 0 logs to the console and logs/rank0.log; other ranks to their own file only."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log.handlers.clear()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s"))
+    log.addHandler(handler)
+    if rank == 0:
+        console = _TqdmHandler()
+        console.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(console)
+
+
+class _TqdmHandler(logging.Handler):
+    """Console lines written through tqdm so they do not break the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stdout)
+
+
+def process_peak_rss() -> int:
+    """Peak resident set size of this process, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    """Peak memory of this rank's compute device since the run began.
+
+    On CUDA: the caching allocator's peak. On the CPU, which keeps no such
+    statistic: the peak of live tensor bytes (parallel.memory.tracker), the same
+    quantity the planner predicts. Counting costs a dispatch per op, so the
+    trainer watches the first step (where optimizer state appears) and each
+    logged step, not every step.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def watch(self, model, optimizer):
+        """Track live tensor bytes during the enclosed step (CPU only)."""
+        if self.device.type == "cuda":
+            yield
+            return
+        tracker = LiveTensorBytes(self.device.type)
+        tracker.track(state_tensors(model, optimizer))
+        with tracker:
+            yield
+        self.peak = max(self.peak, tracker.peak)
+
+    def value(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self.peak
+
+
+class Metrics:
+    """Writes one record per logged step to metrics.jsonl and TensorBoard (logging rank only)."""
+
+    def __init__(self, run_dir: Path, is_logger: bool, hparams_text: str = ""):
+        self.is_logger = is_logger
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if is_logger:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            if hparams_text:
+                self.writer.add_text("config", "```\n" + hparams_text + "\n```", 0)
+            self._file = open(self.path, "a", buffering=1)
+
+    def log(self, record: dict) -> None:
+        """Append `record` (must hold `step`) to both sinks."""
+        if not self.is_logger:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        step = record["step"]
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(_tb_name(key), value, step)
+            elif isinstance(value, list):
+                for rank, v in enumerate(value):
+                    self.writer.add_scalar(f"{_tb_name(key)}/rank{rank}", v, step)
+
+    def close(self) -> None:
+        if self.is_logger:
+            self.writer.close()
+            self._file.close()
+
+
+def _tb_name(key: str) -> str:
+    group = "memory" if key.startswith(("mem_", "rss_")) else "time" if key.endswith("_s") else "train"
+    return f"{group}/{key}"
+
+
+def gather_ints(value: int, group=None) -> list[int]:
+    """Every rank's `value`, in rank order (rank 0 of `group` receives it; others get [])."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [int(x.item()) for x in out]

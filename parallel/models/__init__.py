@@ -1,0 +1,10 @@
+"""Built-in reference models, picked by name from an explicit registry."""
+from parallel.models.cnn import build_cnn
+from parallel.models.gpt import build_gpt
+from parallel.models.mlp import build_mlp
+
+MODELS = {
+    "mlp": build_mlp,
+    "gpt": build_gpt,
+    "cnn": build_cnn,
+}

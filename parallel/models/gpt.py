@@ -1,0 +1,78 @@
+"""A small decoder-only transformer: token + position embedding, blocks, final norm, head."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    # q, k and v are separate Linears (not one fused qkv) so that a tensor-parallel
+    # plan can shard each column-wise without splitting a fused weight by hand.
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 rather than dim // heads: under tensor parallelism each rank holds
+        # heads / tp of them, and the local width is what it sees.
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.out_features // self.heads
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = FeedForward(dim, mlp_ratio * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, heads: int, layers: int, mlp_ratio: int):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"model.args.dim={dim} must divide by model.args.heads={heads}")
+        self.tok = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build_gpt(vocab_size: int = 64, seq_len: int = 32, dim: int = 64, heads: int = 4,
+              layers: int = 2, mlp_ratio: int = 4) -> GPT:
+    """The built-in `gpt` model (token ids in, next-token logits out)."""
+    return GPT(vocab_size, seq_len, dim, heads, layers, mlp_ratio)

@@ -1,0 +1,72 @@
+"""Optimizer, learning-rate schedule and gradient clipping across every mesh dimension."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from parallel.config import Config
+
+
+def build_optimizer(model: nn.Module, cfg: Config, dp_group=None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; with strategy.zero=1 its state is sharded over dp.
+
+    Args:
+        model: the parallelized model.
+        cfg: the run config (optim.*, strategy.zero).
+        dp_group: the data-parallel process group (for zero=1).
+    """
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    if cfg.strategy.name == "data" and cfg.strategy.zero == 1:
+        # ZeRO stage 1: each rank keeps AdamW state for its share of the
+        # parameters, steps them, and broadcasts the updated values.
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                       process_group=dp_group, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over optim.warmup_steps, then cosine decay to lr * min_lr_ratio (or constant)."""
+    o, steps = cfg.optim, cfg.trainer.steps
+
+    def factor(step: int) -> float:  # `step` counts optimizer steps taken so far
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = (step - o.warmup_steps) / max(1, steps - o.warmup_steps)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm (clipped to `max_norm` when > 0), right across shards.
+
+    torch's clip_grad_norm_ returns a partial DTensor norm for sharded gradients;
+    here it is made whole first, so every rank clips by the same factor and the
+    reported norm equals the single-device one.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm
+
+
+def all_mean(value: torch.Tensor, group=None) -> torch.Tensor:
+    """Mean of a scalar over a process group (gloo has no AVG, so SUM / size)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value / dist.get_world_size(group)

@@ -1,0 +1,39 @@
+"""strategy=data: data parallelism, with ZeRO-style sharding by `strategy.zero`.
+
+    zero=0  DDP: parameters, gradients and optimizer state replicated; gradients all-reduced.
+    zero=1  DDP + the optimizer state sharded (ZeroRedundancyOptimizer, see parallel.optim).
+    zero=2  FSDP2 fully_shard, parameters kept gathered between forward and backward
+            (reshard_after_forward=False): gradients and optimizer state sharded.
+    zero=3  FSDP2 fully_shard, parameters resharded after forward: everything sharded.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from parallel.config import Config
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model: the children of its ModuleLists."""
+    return [m for child in model.modules() if isinstance(child, nn.ModuleList) for m in child]
+
+
+def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
+    """Replicate or shard `model` over the mesh's `dp` dimension, in place."""
+    dp_mesh = mesh["dp"]
+    if cfg.strategy.zero <= 1:
+        # The composable form of DDP keeps parameter names unchanged (no `module.`
+        # prefix) and builds its reducer lazily at the first forward, after the
+        # model has been materialized and initialized.
+        replicate(model, device_mesh=dp_mesh)
+        return model
+    reshard = cfg.strategy.zero == 3
+    # One FSDP unit per block so that only one block's parameters are gathered at
+    # a time, then the root for what is left (embeddings, head, norms).
+    for block in _blocks(model):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+    return model

@@ -1,0 +1,153 @@
+"""The training loop: build the parallel model, then step, log and repeat."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+from tqdm import tqdm
+
+from parallel.config import Config, build_meta_model
+from parallel.data.synthetic import SyntheticData, loss_fn
+from parallel.dims import ParallelDims
+from parallel.init import materialize_and_init
+from parallel.metrics import Metrics, PeakMemory, gather_ints, log, process_peak_rss
+from parallel.optim import all_mean, build_optimizer, build_scheduler, clip_grad_norm
+from parallel.strategies import parallelize
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once per worker."""
+
+    cfg: Config
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: SyntheticData
+    device: torch.device
+    dp_group: object
+    is_logger: bool
+
+
+def build_run(cfg: Config, dims: ParallelDims, device: torch.device) -> Run:
+    """Build the model on the meta device, parallelize it, materialize it, and add the rest."""
+    mesh = dims.build_mesh(device.type)
+    model = build_meta_model(cfg.model)
+    model = parallelize(model, mesh, cfg)
+    materialize_and_init(model, device, cfg.trainer.seed)
+    dp_group = mesh["dp"].get_group()
+    optimizer = build_optimizer(model, cfg, dp_group)
+    rank = dist.get_rank()
+    dp_rank = mesh["dp"].get_local_rank()
+    data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
+    return Run(cfg, model, optimizer, build_scheduler(optimizer, cfg), data, device, dp_group,
+               is_logger=rank == 0)
+
+
+def _autocast(cfg: Config, device: torch.device):
+    # bf16 autocast on CUDA only: on the CPU the run stays fp32 so that every
+    # strategy can be checked against `single` to 1e-4.
+    use_bf16 = device.type == "cuda" and cfg.trainer.precision in ("auto", "bf16")
+    return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+
+def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step over the global batch; returns (global mean loss, grad norm, data time)."""
+    cfg, model = run.cfg, run.model
+    t0 = time.perf_counter()
+    x, y = run.data.batch(step, run.device)
+    data_time = time.perf_counter() - t0
+    criterion = loss_fn(cfg.data.task)
+    accum = cfg.trainer.grad_accum
+    total = torch.zeros((), device=run.device)
+    for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        # Gradients are reduced across data-parallel ranks only on the last micro-step.
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(i == accum - 1)
+        with _autocast(cfg, run.device):
+            loss = criterion(model(xs).float(), ys) / accum
+        loss.backward()
+        total += loss.detach()
+    norm = clip_grad_norm(model, cfg.trainer.clip_grad_norm)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    # Each dp rank averaged over an equal slice, so the mean of their means is the global mean.
+    return all_mean(total, run.dp_group), norm, data_time
+
+
+def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
+    """Run `trainer.steps` steps; log every `trainer.log_every`. Returns the logged losses."""
+    t = cfg.trainer
+    metrics = Metrics(run_dir, run.is_logger, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    memory = PeakMemory(run.device)
+    bar = tqdm(total=t.steps, disable=not (run.is_logger and t.progress), desc="train", leave=False)
+    losses, window = [], _Window()
+    for step in range(1, t.steps + 1):
+        logging_step = step % t.log_every == 0 or step == t.steps
+        watched = step == 1 or logging_step
+        t0 = time.perf_counter()
+        with memory.watch(run.model, run.optimizer) if watched else contextlib.nullcontext():
+            loss, norm, data_time = train_step(run, step)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        window.add(time.perf_counter() - t0, data_time, watched)
+        bar.update(1)
+        if not logging_step:
+            continue
+        loss_value = loss.item()
+        losses.append(loss_value)
+        step_time, data_time = window.take()
+        record = {
+            "step": step, "loss": loss_value, "lr": run.scheduler.get_last_lr()[0],
+            "grad_norm": float(norm), "step_time_s": step_time,
+            "data_time_s": data_time,
+            "samples_per_s": t.batch_size / step_time,
+        }
+        record.update(memory_record(memory))
+        metrics.log(record)
+        bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
+        log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s", step, loss_value,
+                 record["grad_norm"], record["samples_per_s"])
+    bar.close()
+    metrics.close()
+    return losses
+
+
+class _Window:
+    """Step and data times since the last log. Steps run under the memory watch are
+    slower (a dispatch per op), so they count only when the window has no other."""
+
+    def __init__(self):
+        self.times = {True: [], False: []}
+
+    def add(self, step_time: float, data_time: float, watched: bool) -> None:
+        self.times[watched].append((step_time, data_time))
+
+    def take(self) -> tuple[float, float]:
+        times = self.times[False] or self.times[True]
+        self.times = {True: [], False: []}
+        return sum(s for s, _ in times) / len(times), sum(d for _, d in times) / len(times)
+
+
+def save_final(model: nn.Module, path: Path) -> None:
+    """Gather the full, unpartitioned state dict to rank 0 and torch.save it there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+
+
+def memory_record(memory: PeakMemory) -> dict:
+    """Peak device memory and peak RSS of every rank (gathered), and their maximum."""
+    device_peaks = gather_ints(memory.value())
+    rss_peaks = gather_ints(process_peak_rss())
+    return {"mem_peak_bytes": max(device_peaks), "mem_peak_bytes_per_rank": device_peaks,
+            "rss_peak_bytes": max(rss_peaks), "rss_peak_bytes_per_rank": rss_peaks}

@@ -1,0 +1,76 @@
+"""Cross-field rules: each bad input names its key and fails before any worker starts."""
+import pytest
+
+from parallel.config import Config, ConfigError, ModelConfig, parse_bytes, validate
+from parallel.dims import ParallelDims
+from parallel.config import StrategyConfig
+
+
+def cfg_with(**changes) -> Config:
+    cfg = Config()
+    cfg.model.args = {"in_features": 32, "out_features": 4}
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+# (changes, world size, the key the message must name)
+BAD = [
+    ({"trainer__steps": -1}, 1, "trainer.steps"),
+    ({"trainer__steps": 0}, 1, "trainer.steps"),
+    ({"trainer__batch_size": 0}, 1, "trainer.batch_size"),
+    ({"trainer__log_every": 0}, 1, "trainer.log_every"),
+    ({"trainer__grad_accum": 3}, 1, "trainer.grad_accum"),
+    ({"trainer__clip_grad_norm": -1.0}, 1, "trainer.clip_grad_norm"),
+    ({"trainer__device": "tpu"}, 1, "trainer.device"),
+    ({"trainer__precision": "fp8"}, 1, "trainer.precision"),
+    ({"trainer__timeout_s": 0.0}, 1, "trainer.timeout_s"),
+    ({"strategy__name": "magic"}, 1, "strategy.name"),
+    ({"strategy__name": "data", "strategy__zero": 4}, 2, "strategy.zero"),
+    ({"strategy__name": "single"}, 2, "strategy"),
+    ({"strategy__name": "single", "strategy__zero": 3}, 1, "strategy.zero"),
+    ({"strategy__name": "data", "trainer__batch_size": 33}, 2, "trainer.batch_size"),
+    ({"strategy__name": "data", "strategy__dp": 3}, 2, "strategy.dp"),
+    ({"data__task": "vision"}, 1, "data.task"),
+    ({"data__features": -3}, 1, "data.features"),
+    ({"optim__lr": 0.0}, 1, "optim.lr"),
+    ({"optim__betas": [0.9]}, 1, "optim.betas"),
+    ({"optim__schedule": "linear"}, 1, "optim.schedule"),
+    ({"memory__budget": "lots"}, 1, "memory.budget"),
+    ({"memory__fraction": 1.5}, 1, "memory.fraction"),
+    ({"model__name": "resnet9000"}, 1, "model.name"),
+    ({"model___target_": "no.such.module.fn"}, 1, "model._target_"),
+    ({"model___target_": "tests.user_model.not_a_module", "model__name": "custom",
+      "model__args": {}}, 1, "model._target_"),
+    ({"model___target_": "tests.user_model.two_tower", "model__args": {"in_features": 32}}, 1, "model.args"),
+    ({"model___target_": "tests.user_model.no_rule", "model__name": "custom", "model__args": {}}, 1, "model"),
+]
+
+
+@pytest.mark.parametrize("changes,world,key", BAD, ids=[b[2] + ":" + str(list(b[0].values())) for b in BAD])
+def test_bad_input_names_the_key(changes, world, key):
+    cfg = cfg_with(**changes)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world)
+    assert str(info.value).startswith(key), str(info.value)
+
+
+def test_good_config_passes():
+    validate(cfg_with(), 1)
+    validate(cfg_with(strategy__name="data", strategy__zero=3), 4)
+
+
+def test_user_model_with_own_init_rule_passes():
+    validate(cfg_with(model___target_="tests.user_model.Custom", model__name="custom", model__args={}), 1)
+
+
+def test_degrees_message_shows_the_arithmetic():
+    with pytest.raises(ConfigError, match=r"dp 3 = 3 != world size 4"):
+        ParallelDims.from_config(StrategyConfig(name="data", dp=3), 4)
+
+
+@pytest.mark.parametrize("text,value", [("512MB", 512 * 10**6), ("1.5GiB", int(1.5 * 2**30)),
+                                        ("1000", 1000), ("80gb", 80 * 10**9)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value

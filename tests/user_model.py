@@ -1,0 +1,64 @@
+"""A user's own model, outside the package, reached through model._target_."""
+import torch
+from torch import nn
+
+
+class TwoTower(nn.Module):
+    def __init__(self, features: int, width: int, out: int):
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(features, width), nn.Tanh())
+        self.right = nn.Sequential(nn.Linear(features, width), nn.ReLU())
+        self.head = nn.Linear(2 * width, out)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.left(x), self.right(x)], dim=-1))
+
+
+def two_tower(features: int = 32, width: int = 16, out: int = 4) -> nn.Module:
+    return TwoTower(features, width, out)
+
+
+def not_a_module(features: int = 32):
+    return {"features": features}
+
+
+class Exploding(nn.Linear):
+    """Fails in forward on rank 1 only: a worker error the launcher must report."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise RuntimeError("boom from the user's forward")
+        return super().forward(x)
+
+
+def exploding(features: int = 32, out: int = 4) -> nn.Module:
+    return Exploding(features, out)
+
+
+class Custom(nn.Module):
+    """A parameter of the module's own kind, initialized by its own rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(4))
+
+    def init_parameter(self, name, tensor, generator):
+        tensor.fill_(2.0)
+
+    def forward(self, x):
+        return x[:, :4] * self.scale
+
+
+class NoRule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(4))
+
+    def forward(self, x):
+        return x[:, :4] * self.scale
+
+
+def no_rule() -> nn.Module:
+    return NoRule()
