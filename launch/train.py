@@ -37,7 +37,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         launch(cfg_dict, run_dir, world)
     except WorkerFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{e.traceback}\nerror: {e}", file=sys.stderr)
         sys.exit(1)
 
 
@@ -46,4 +46,6 @@ if __name__ == "__main__":
         # Note [one run directory] (parallel/launcher.py): each torchrun worker runs
         # this script; Hydra must not create a directory of its own in each of them.
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null"]
+    if ("--cfg" in sys.argv or "-c" in sys.argv) and "--resolve" not in sys.argv:
+        sys.argv.append("--resolve")  # show the values the run would use, not interpolations
     main()

@@ -15,6 +15,7 @@ directory before any worker starts and hands it to each of them.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -58,17 +59,32 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()),
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
+    # The agent logs each failed worker's traceback line by line; WorkerFailed
+    # carries it instead, so the user sees it once.
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint=worker)(cfg_dict, run_dir)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise WorkerFailed(rank, _failure_message(failure)) from None
+        raise WorkerFailed(rank, _failure_message(failure), _failure_traceback(failure)) from None
+    finally:
+        agent_log.setLevel(level)
 
 
 class WorkerFailed(RuntimeError):
-    def __init__(self, rank: int, message: str):
+    """A worker raised or died; names its rank, its error and (when known) its traceback."""
+
+    def __init__(self, rank: int, message: str, traceback: str = ""):
         super().__init__(f"worker rank {rank} failed: {message}")
-        self.rank = rank
+        self.rank, self.traceback = rank, traceback
+
+
+def _failure_traceback(failure) -> str:
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message", {})
+    return message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
 
 
 def _failure_message(failure) -> str:

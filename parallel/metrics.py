@@ -119,8 +119,13 @@ class Metrics:
 
 
 def _tb_name(key: str) -> str:
-    group = "memory" if key.startswith(("mem_", "rss_")) else "time" if key.endswith("_s") else "train"
-    return f"{group}/{key}"
+    """TensorBoard tag of a metrics.jsonl key: grouped, per-rank lists as <key>/rank<N>."""
+    key = key.removesuffix("_per_rank")
+    if key.startswith(("mem_", "rss_")):
+        return f"memory/{key}"
+    if key.endswith("time_s"):
+        return f"time/{key}"
+    return f"train/{key}"
 
 
 def gather_ints(value: int, group=None) -> list[int]:

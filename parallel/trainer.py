@@ -58,7 +58,12 @@ def _autocast(cfg: Config, device: torch.device):
 
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over the global batch; returns (global mean loss, grad norm, data time)."""
+    """One optimizer step over the global batch.
+
+    Returns (this rank's mean loss, global grad norm, data time); the loss is
+    averaged over data-parallel ranks only when it is logged, to keep a
+    collective out of every step.
+    """
     cfg, model = run.cfg, run.model
     t0 = time.perf_counter()
     x, y = run.data.batch(step, run.device)
@@ -78,8 +83,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    # Each dp rank averaged over an equal slice, so the mean of their means is the global mean.
-    return all_mean(total, run.dp_group), norm, data_time
+    return total, norm, data_time
 
 
 def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
@@ -101,7 +105,8 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
         bar.update(1)
         if not logging_step:
             continue
-        loss_value = loss.item()
+        # Each dp rank averaged over an equal slice, so the mean of their means is the global mean.
+        loss_value = all_mean(loss, run.dp_group).item()
         losses.append(loss_value)
         step_time, data_time = window.take()
         record = {

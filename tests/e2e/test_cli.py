@@ -1,0 +1,114 @@
+"""The command line as a user runs it: launch ways, sweeps, TensorBoard, errors."""
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import cli
+
+DATA2 = ["nproc=2", "strategy=data", "strategy.zero=3", "model.args.depth=2"]
+
+
+@pytest.mark.timeout(120)
+def test_default_run_trains(tmp_path):
+    """The quick start: `python launch/train.py` with nothing else."""
+    cli.run([], cwd=tmp_path)
+    (run_dir,) = list((tmp_path / "outputs").glob("*/*"))
+    records = cli.metrics(run_dir)
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50]
+    assert records[-1]["loss"] < 0.5 * records[0]["loss"]
+    for key in ("loss", "lr", "grad_norm", "step_time_s", "data_time_s", "samples_per_s",
+                "mem_peak_bytes", "mem_peak_bytes_per_rank", "rss_peak_bytes_per_rank"):
+        assert key in records[-1]
+    assert records[-1]["mem_peak_bytes"] > 0
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+
+
+@pytest.mark.timeout(400)
+def test_three_launch_ways_agree(tmp_path):
+    """python nproc=2, torchrun, and a job of a Hydra sweep give the same run."""
+    spawn = tmp_path / "spawn"
+    cli.run(cli.FAST + DATA2 + [f"run_dir={spawn}"], cwd=tmp_path)
+    tr = tmp_path / "torchrun"
+    args = [a for a in DATA2 if not a.startswith("nproc")]
+    cli.run(cli.FAST + args + [f"run_dir={tr}"], cwd=tmp_path, launcher=cli.torchrun(2))
+    sweep = tmp_path / "sweep"
+    cli.run(["-m"] + cli.FAST + DATA2 + ["trainer.seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name.split("-")[0] for p in jobs] == ["0", "1"]  # two jobs, two run dirs
+
+    cli.assert_same_training(tr, spawn)
+    cli.assert_same_training(jobs[0], spawn)
+    for run_dir in (spawn, tr, *jobs):
+        assert len(cli.metrics(run_dir)) == 6
+        assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+        assert (run_dir / ".hydra" / "config.yaml").exists()
+    # The second job ran with another seed: its own run, not a copy of the first.
+    assert cli.losses(jobs[1])[0] != cli.losses(jobs[0])[0]
+    # Under torchrun no per-process Hydra directories appear beside the run.
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_holds_the_loss(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cli.run(cli.FAST + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "train/grad_norm", "time/step_time_s", "time/data_time_s",
+            "train/samples_per_s", "memory/mem_peak_bytes/rank0", "memory/rss_peak_bytes/rank0"} <= set(scalars)
+    logged = [e.value for e in acc.Scalars("train/loss")]
+    want = [r["loss"] for r in cli.metrics(tmp_path)]
+    assert logged == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_cfg_job_shows_the_resolved_config(tmp_path):
+    out = cli.run(["--cfg", "job", "strategy=data", "data.features=12"], cwd=tmp_path).stdout
+    assert "name: data" in out and "in_features: 12" in out
+
+
+BAD_CLI = [
+    (["strategy=warp"], "strategy"),
+    (["strategy.name=warp"], "strategy.name"),
+    (["trainer.nope=1"], "nope"),
+    (["trainer.steps=1.5"], "trainer.steps"),
+    (["trainer.steps=-2"], "trainer.steps"),
+    (["trainer.batch_size=abc"], "trainer.batch_size"),
+    (["nproc=3", "strategy=data"], "trainer.batch_size"),
+    (["model=custom", "model._target_=nowhere.fn"], "model._target_"),
+    (["model=custom", "model._target_=tests.user_model.not_a_module"], "model._target_"),
+    (["model=transformer9"], "model"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,key", BAD_CLI, ids=[" ".join(a) for a, _ in BAD_CLI])
+def test_bad_input_exits_cleanly_naming_the_key(tmp_path, args, key):
+    proc = cli.run(args + ["trainer.steps=2" if "trainer.steps" not in key else "trainer.log_every=1"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert key in proc.stderr + proc.stdout
+    assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))  # nothing trained
+
+
+@pytest.mark.timeout(120)
+def test_failed_worker_ends_the_run_with_its_rank_and_error(tmp_path):
+    proc = cli.run(cli.FAST + ["nproc=2", "strategy=data", "model=custom",
+                               "model._target_=tests.user_model.exploding", "trainer.timeout_s=30",
+                               f"run_dir={tmp_path}"], cwd=tmp_path, check=False, timeout=100)
+    assert proc.returncode == 1
+    assert "worker rank 1 failed" in proc.stderr
+    assert "boom from the user's forward" in proc.stderr
+
+
+def test_train_script_is_importable_without_running():
+    sys.path.insert(0, str(cli.ROOT / "launch"))
+    import importlib
+
+    module = importlib.import_module("train")
+    assert callable(module.main)
+    assert Path(module.__file__).name == "train.py"
