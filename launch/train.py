@@ -29,7 +29,8 @@ def main(dcfg: DictConfig) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    cfg_dict = OmegaConf.to_container(dcfg, resolve=True)
+    # Workers get the validated config with derived values filled in (degrees, microbatches).
+    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if under_torchrun():
         worker(cfg_dict, None)
         return

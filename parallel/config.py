@@ -21,6 +21,7 @@ TASKS = ("regression", "classification", "lm")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant")
+BALANCES = ("time", "memory", "params")
 ZERO_LEVELS = (0, 1, 2, 3)
 
 
@@ -44,6 +45,18 @@ class StrategyConfig:
     # 0: DDP, 1: optimizer state sharded, 2: + gradients (FSDP2, no reshard
     # after forward), 3: + parameters (FSDP2, reshard after forward).
     zero: int = 0
+    # Pipeline degree (ranks in one pipeline); None derives it from the world size.
+    pp: Optional[int] = None
+    # PyTorch schedule name, case-insensitive (see parallel.strategies.schedules).
+    schedule: str = "1F1B"
+    # Microbatches per step; None: 2 x the number of stages.
+    microbatches: Optional[int] = None
+    # Stages each rank runs; None: 2 for interleaved, looped and V schedules, else 1.
+    stages_per_rank: Optional[int] = None
+    # Block names where stages 1.. begin; empty: balanced automatically by `balance`.
+    split_points: List[str] = field(default_factory=list)
+    # The cost the automatic split balances: time, memory or params.
+    balance: str = "time"
 
 
 @dataclass
@@ -159,14 +172,38 @@ def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
         fail(key, value, f"must be an integer >= {low}")
 
 
+def resolve(cfg: Config, world_size: int) -> Config:
+    """Fill the values left to be derived (degrees, stages per rank, microbatches), in place.
+
+    Cheap and deterministic: the launcher and every worker call it and agree.
+    """
+    from parallel.dims import ParallelDims
+    from parallel.strategies import schedules
+
+    s = cfg.strategy
+    dims = ParallelDims.from_config(s, world_size)
+    s.dp, s.pp = dims.dp, dims.pp
+    if s.name == "pipeline":
+        name = schedules.canonical(s.schedule)
+        if name is None:
+            fail("strategy.schedule", s.schedule, "unknown schedule (case-insensitive)", list(schedules.SCHEDULES))
+        s.schedule = name
+        if s.stages_per_rank is None:
+            s.stages_per_rank = schedules.default_stages_per_rank(name)
+        if s.microbatches is None:
+            s.microbatches = 2 * s.pp * s.stages_per_rank
+    return cfg
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Check every rule that spans fields; raise ConfigError on the first broken one.
+
+    Also fills derived values (see `resolve`).
 
     Args:
         cfg: the typed configuration.
         world_size: the number of workers the run will have.
     """
-    from parallel.dims import ParallelDims
     from parallel.strategies import STRATEGIES
 
     t = cfg.trainer
@@ -181,6 +218,9 @@ def validate(cfg: Config, world_size: int) -> None:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:
         fail("trainer.precision", t.precision, "unknown precision", list(PRECISIONS))
+    if t.precision == "bf16" and not _cuda_run(t.device):
+        fail("trainer.precision", t.precision, "bf16 autocast is for CUDA runs; the CPU trains in fp32",
+             ["auto", "fp32"])
     if cfg.nproc is not None:
         _positive("nproc", cfg.nproc)
     _validate_optim(cfg.optim)
@@ -194,20 +234,54 @@ def validate(cfg: Config, world_size: int) -> None:
         fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
     if s.name == "single" and world_size != 1:
         fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
-             "strategy=data for several processes")
-    if s.name == "single" and s.zero != 0:
+             "strategy=data or strategy=pipeline for several processes")
+    if s.name != "data" and s.zero != 0:
         fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data")
-    dims = ParallelDims.from_config(s, world_size)
-    per_rank = t.batch_size // dims.dp
-    if t.batch_size % dims.dp:
+    if s.balance not in BALANCES:
+        fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
+    resolve(cfg, world_size)
+    per_rank = t.batch_size // s.dp
+    if t.batch_size % s.dp:
         fail("trainer.batch_size", t.batch_size,
-             f"the global batch must divide by the data-parallel degree {dims.dp}",
-             f"a multiple of {dims.dp}")
+             f"the global batch must divide by the data-parallel degree {s.dp}",
+             f"a multiple of {s.dp}")
     if per_rank % t.grad_accum:
         fail("trainer.grad_accum", t.grad_accum,
-             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {dims.dp})",
+             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
              [d for d in range(1, per_rank + 1) if per_rank % d == 0])
+    if s.name == "pipeline":
+        _validate_pipeline(cfg, per_rank)
     validate_model(cfg.model)
+    if s.name == "pipeline":
+        from parallel.strategies.pipeline import plan_split
+
+        plan_split(build_meta_model(cfg.model), cfg, s.dp, measure=False)  # traces; names bad split points
+
+
+def _validate_pipeline(cfg: Config, per_rank: int) -> None:
+    from parallel.strategies import schedules
+
+    s, t = cfg.strategy, cfg.trainer
+    _positive("strategy.microbatches", s.microbatches)
+    _positive("strategy.stages_per_rank", s.stages_per_rank)
+    if per_rank % s.microbatches:
+        fail("strategy.microbatches", s.microbatches,
+             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
+             [d for d in range(1, per_rank + 1) if per_rank % d == 0])
+    if t.grad_accum != 1:
+        fail("trainer.grad_accum", t.grad_accum,
+             "must be 1 under strategy=pipeline: microbatches already accumulate gradients",
+             "raise strategy.microbatches instead")
+    why = schedules.check(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
+    if why:
+        fail(f"strategy.schedule={s.schedule} with strategy.stages_per_rank={s.stages_per_rank} and "
+             f"strategy.microbatches", s.microbatches, why)
+
+
+def _cuda_run(device: str) -> bool:
+    import torch
+
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def _validate_optim(o: OptimConfig) -> None:

@@ -14,6 +14,7 @@ class ParallelDims:
     """The degree of every mesh dimension; their product is the world size."""
 
     dp: int
+    pp: int
     world_size: int
 
     @classmethod
@@ -21,28 +22,42 @@ class ParallelDims:
         """Derive unset degrees from the world size and check that they multiply out.
 
         Args:
-            s: the strategy config (its `dp` may be None).
+            s: the strategy config (degrees may be None).
             world_size: the number of workers.
         """
-        dp = world_size if s.dp is None else s.dp
-        if not isinstance(dp, int) or dp < 1:
-            raise ConfigError(f"strategy.dp={dp!r}: must be an integer >= 1")
-        if dp != world_size:
+        for key in ("dp", "pp"):
+            value = getattr(s, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"strategy.{key}={value!r}: must be an integer >= 1")
+        # Each strategy spreads over one dimension; the others stay 1.
+        spread = {"single": None, "data": "dp", "pipeline": "pp"}.get(s.name)
+        degrees = {"dp": s.dp, "pp": s.pp}
+        for key, value in degrees.items():
+            if key != spread and value not in (None, 1):
+                raise ConfigError(f"strategy.{key}={value}: strategy={s.name} does not use a {key} dimension "
+                                  f"(leave it unset; combining dimensions is not supported yet)")
+            if key != spread:
+                degrees[key] = 1
+        if spread is not None and degrees[spread] is None:
+            degrees[spread] = world_size
+        product = degrees["dp"] * degrees["pp"]
+        if product != world_size:
             raise ConfigError(
-                f"strategy.dp={dp}: the degrees must multiply to the world size: "
-                f"dp {dp} = {dp} != world size {world_size} (leave strategy.dp unset to derive it)")
-        return cls(dp=dp, world_size=world_size)
+                f"strategy.{spread or 'dp'}={degrees[spread or 'dp']}: the degrees must multiply to the world size: "
+                f"dp {degrees['dp']} x pp {degrees['pp']} = {product} != world size {world_size} "
+                f"(leave degrees unset to derive them)")
+        return cls(dp=degrees["dp"], pp=degrees["pp"], world_size=world_size)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return ("dp",)
+        return ("dp", "pp")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.dp,)
+        return (self.dp, self.pp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh over all ranks (needs an initialized process group)."""
+        """The named mesh over all ranks, pp innermost (needs an initialized process group)."""
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
 
 

@@ -72,28 +72,60 @@ def _global_shape(t: torch.Tensor):
     return t.shape  # a DTensor reports its global shape
 
 
+InitPlan = dict  # fqn -> (owning module, local name, canonical fqn)
+
+
+def init_plan(model: nn.Module) -> InitPlan:
+    """For every name of every parameter and buffer of the *unpartitioned* model:
+    the module whose rule initializes it, and the name its seed comes from.
+
+    A tensor reachable under several names (tied weights, e.g. an embedding
+    shared with the output head) is initialized once, by its first owner in
+    module order and seeded by that owner's name, so every copy of it, in any
+    stage, starts equal.
+    """
+    first: dict[int, tuple] = {}
+    plan: InitPlan = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        tensors = list(module.named_parameters(recurse=False, remove_duplicate=False))
+        tensors += list(module.named_buffers(recurse=False, remove_duplicate=False))
+        for local_name, tensor in tensors:
+            fqn = f"{mod_name}.{local_name}" if mod_name else local_name
+            owner = first.setdefault(id(tensor), (module, local_name, fqn))
+            plan.setdefault(fqn, owner)
+    return plan
+
+
 @torch.no_grad()
-def materialize_and_init(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+def materialize_and_init(model: nn.Module, device: torch.device, seed: int, plan: InitPlan | None = None) -> nn.Module:
     """Allocate every meta tensor of `model` on `device`, then fill it per Note [initialization by name].
 
     Args:
-        model: the (possibly sharded) model, still on the meta device.
+        model: the model (whole, sharded, or one pipeline stage), still on the meta device.
         device: where this rank's pieces live.
         seed: the run's seed (trainer.seed).
+        plan: `init_plan` of the unpartitioned model; by default, of `model` itself.
     """
+    plan = plan if plan is not None else init_plan(model)
     model.to_empty(device=device)
-    for mod_name, module in model.named_modules():
-        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
-        for local_name, tensor in tensors:
-            fqn = f"{mod_name}.{local_name}" if mod_name else local_name
-            full = full_init_value(module, local_name, fqn, _global_shape(tensor), tensor.dtype, seed)
-            if isinstance(tensor, DTensor):
-                # Every rank computed the same full value, so each keeps its own piece
-                # without communication (src_data_rank=None).
-                piece = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
-                tensor.to_local().copy_(piece.to_local())
-            else:
-                tensor.copy_(full)
+    for p in model.parameters():
+        p.grad = None  # to_empty would have turned a stray meta .grad into uninitialized memory
+    done: set[int] = set()
+    for fqn, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if id(tensor) in done:
+            continue
+        done.add(id(tensor))
+        if fqn not in plan:
+            raise KeyError(f"'{fqn}' is not a name of the unpartitioned model; strategies must keep names")
+        module, local_name, canonical = plan[fqn]
+        full = full_init_value(module, local_name, canonical, _global_shape(tensor), tensor.dtype, seed)
+        if isinstance(tensor, DTensor):
+            # Every rank computed the same full value, so each keeps its own piece
+            # without communication (src_data_rank=None).
+            piece = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.to_local().copy_(piece.to_local())
+        else:
+            tensor.copy_(full)
     return model
 
 

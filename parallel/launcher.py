@@ -28,9 +28,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from parallel.config import ConfigError, to_config
+from parallel.config import ConfigError, resolve, to_config
 from parallel.dims import ParallelDims, device_for_rank
-from parallel.metrics import log, setup_logging
+from parallel.metrics import console_on, log, setup_logging
 
 
 def under_torchrun() -> bool:
@@ -142,16 +142,19 @@ def _train(cfg, run_dir: Path, device: torch.device) -> None:
     from parallel.trainer import build_run, save_final, train
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    resolve(cfg, world)
     setup_logging(run_dir, rank)
     if cfg.memory.fraction is not None and device.type != "cuda":
         log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
     dims = ParallelDims.from_config(cfg.strategy, world)
     log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name, world, device)
     run = build_run(cfg, dims, device)
+    console_on(run.is_logger)
     train(cfg, run, run_dir)
     if cfg.trainer.save_final:
-        save_final(run.model, run_dir / "final_model.pt")
-    log.info("done: %s", run_dir)
+        save_final(run.engine, run_dir / "final_model.pt")
+    if run.is_logger:
+        log.info("done: %s", run_dir)
 
 
 def check_world_size(nproc: int | None) -> int:

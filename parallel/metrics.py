@@ -36,6 +36,18 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         log.addHandler(console)
 
 
+def console_on(enabled: bool) -> None:
+    """Give the console to the rank that logs the loss (it may not be rank 0, e.g. a last pipeline stage)."""
+    consoles = [h for h in log.handlers if isinstance(h, _TqdmHandler)]
+    if enabled and not consoles:
+        console = _TqdmHandler()
+        console.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(console)
+    if not enabled:
+        for h in consoles:
+            log.removeHandler(h)
+
+
 class _TqdmHandler(logging.Handler):
     """Console lines written through tqdm so they do not break the progress bar."""
 
@@ -126,6 +138,18 @@ def _tb_name(key: str) -> str:
     if key.endswith("time_s"):
         return f"time/{key}"
     return f"train/{key}"
+
+
+def gather_floats(values: list[float], group=None) -> list[float]:
+    """Every rank's `values`, concatenated in rank order, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [float(v) for x in out for v in x.tolist()]
 
 
 def gather_ints(value: int, group=None) -> list[int]:

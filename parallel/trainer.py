@@ -13,11 +13,11 @@ from torch import nn
 from tqdm import tqdm
 
 from parallel.config import Config, build_meta_model
-from parallel.data.synthetic import SyntheticData, loss_fn
+from parallel.data.synthetic import SyntheticData
 from parallel.dims import ParallelDims
-from parallel.init import materialize_and_init
+from parallel.init import init_plan
 from parallel.metrics import Metrics, PeakMemory, gather_ints, log, process_peak_rss
-from parallel.optim import all_mean, build_optimizer, build_scheduler, clip_grad_norm
+from parallel.optim import all_mean, build_optimizer, build_scheduler
 from parallel.strategies import parallelize
 
 
@@ -26,35 +26,26 @@ class Run:
     """Everything the loop needs, built once per worker."""
 
     cfg: Config
-    model: nn.Module
+    engine: object  # parallel.engine.LocalEngine or a strategy's own engine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     data: SyntheticData
     device: torch.device
-    dp_group: object
     is_logger: bool
 
 
 def build_run(cfg: Config, dims: ParallelDims, device: torch.device) -> Run:
-    """Build the model on the meta device, parallelize it, materialize it, and add the rest."""
+    """Build the model on the meta device, hand it to the strategy, and add the rest."""
     mesh = dims.build_mesh(device.type)
     model = build_meta_model(cfg.model)
-    model = parallelize(model, mesh, cfg)
-    materialize_and_init(model, device, cfg.trainer.seed)
-    dp_group = mesh["dp"].get_group()
-    optimizer = build_optimizer(model, cfg, dp_group)
-    rank = dist.get_rank()
+    plan = init_plan(model)  # names -> initialization, taken before any partitioning
+    engine = parallelize(model, mesh, cfg, device, plan)
+    optimizer = build_optimizer(engine.model, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
     data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
-    return Run(cfg, model, optimizer, build_scheduler(optimizer, cfg), data, device, dp_group,
-               is_logger=rank == 0)
-
-
-def _autocast(cfg: Config, device: torch.device):
-    # bf16 autocast on CUDA only: on the CPU the run stays fp32 so that every
-    # strategy can be checked against `single` to 1e-4.
-    use_bf16 = device.type == "cuda" and cfg.trainer.precision in ("auto", "bf16")
-    return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    # The loss lives where the engine computes it; one such rank (data-parallel rank 0) logs.
+    is_logger = engine.holds_loss and dp_rank == 0
+    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, device, is_logger)
 
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -64,26 +55,15 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     averaged over data-parallel ranks only when it is logged, to keep a
     collective out of every step.
     """
-    cfg, model = run.cfg, run.model
     t0 = time.perf_counter()
     x, y = run.data.batch(step, run.device)
     data_time = time.perf_counter() - t0
-    criterion = loss_fn(cfg.data.task)
-    accum = cfg.trainer.grad_accum
-    total = torch.zeros((), device=run.device)
-    for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-        # Gradients are reduced across data-parallel ranks only on the last micro-step.
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(i == accum - 1)
-        with _autocast(cfg, run.device):
-            loss = criterion(model(xs).float(), ys) / accum
-        loss.backward()
-        total += loss.detach()
-    norm = clip_grad_norm(model, cfg.trainer.clip_grad_norm)
+    loss = run.engine.forward_backward(x, y)
+    norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    return total, norm, data_time
+    return loss, norm, data_time
 
 
 def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
@@ -97,7 +77,7 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
         logging_step = step % t.log_every == 0 or step == t.steps
         watched = step == 1 or logging_step
         t0 = time.perf_counter()
-        with memory.watch(run.model, run.optimizer) if watched else contextlib.nullcontext():
+        with memory.watch(run.engine.model, run.optimizer) if watched else contextlib.nullcontext():
             loss, norm, data_time = train_step(run, step)
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
@@ -106,7 +86,7 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
         if not logging_step:
             continue
         # Each dp rank averaged over an equal slice, so the mean of their means is the global mean.
-        loss_value = all_mean(loss, run.dp_group).item()
+        loss_value = all_mean(loss, run.engine.loss_group).item()
         losses.append(loss_value)
         step_time, data_time = window.take()
         record = {
@@ -115,6 +95,7 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
             "data_time_s": data_time,
             "samples_per_s": t.batch_size / step_time,
         }
+        record.update(run.engine.metrics())
         record.update(memory_record(memory))
         metrics.log(record)
         bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
@@ -141,11 +122,9 @@ class _Window:
         return sum(s for s, _ in times) / len(times), sum(d for _, d in times) / len(times)
 
 
-def save_final(model: nn.Module, path: Path) -> None:
-    """Gather the full, unpartitioned state dict to rank 0 and torch.save it there."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def save_final(engine, path: Path) -> None:
+    """Gather the full, unpartitioned state dict and torch.save it from rank 0."""
+    state = engine.full_state_dict()
     if dist.get_rank() == 0:
         torch.save(state, path)
 

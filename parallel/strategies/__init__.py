@@ -1,29 +1,62 @@
-"""Strategies: plain functions that transform a meta-device model for a mesh.
+"""Strategies: each turns the meta-device model into an engine for this rank.
 
-`parallelize` is the single place that applies them; see its comment on order.
+A strategy is a function `(model, mesh, cfg, device, plan) -> engine`; the
+registry below is explicit, and an unknown name fails listing its keys.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import Config
+from parallel.data.synthetic import loss_fn
+from parallel.engine import LocalEngine
+from parallel.init import InitPlan, materialize_and_init
 from parallel.strategies.data import apply_data
 from parallel.strategies.single import apply_single
 
-# An explicit registry (not string _target_s): an unknown name fails listing these.
+
+def _local(apply):
+    """A strategy that keeps the whole model on each rank: transform it on meta, then
+    materialize (Note [initialization by name]) and wrap it in a LocalEngine."""
+
+    def build(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+        model = apply(model, mesh, cfg)
+        materialize_and_init(model, device, cfg.trainer.seed, plan)
+        return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), device)
+
+    return build
+
+
+def _pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+    from parallel.metrics import log
+    from parallel.strategies.pipeline import PipelineEngine, build_stages, format_split, plan_split
+
+    split = plan_split(model, cfg, mesh["dp"].size())
+    log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
+             format_split(split))
+    stages, modules, tied = build_stages(split, mesh, cfg, device, plan)
+    groups: dict[str, list[str]] = {}
+    for name, (_, _, canonical) in plan.items():
+        groups.setdefault(canonical, []).append(name)
+    tied_names = [names for names in groups.values() if len(names) > 1]
+    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss_fn(cfg.data.task), tied_names)
+
+
+# Order, for strategies that compose (hybrid): pipeline split -> tensor plan ->
+# activation checkpointing -> FSDP/DDP -> offload. Data parallelism wraps last
+# because it shards or replicates whatever parameters the earlier steps left.
 STRATEGIES = {
-    "single": apply_single,
-    "data": apply_data,
+    "single": _local(apply_single),
+    "data": _local(apply_data),
+    "pipeline": _pipeline,
 }
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
-    """Apply the configured strategy to `model` (on the meta device) in place and return it.
+def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+    """Apply the configured strategy to `model` (on the meta device) and return this rank's engine.
 
-    Order, for the strategies that compose (later: pipeline split -> tensor plan ->
-    activation checkpointing -> FSDP/DDP -> offload): data parallelism wraps last
-    because it shards or replicates whatever parameters the earlier steps left.
     Parameter names never change (Note [initialization by name]).
     """
-    return STRATEGIES[cfg.strategy.name](model, mesh, cfg)
+    return STRATEGIES[cfg.strategy.name](model, mesh, cfg, device, plan)

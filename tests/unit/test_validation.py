@@ -26,6 +26,7 @@ BAD = [
     ({"trainer__device": "tpu"}, 1, "trainer.device"),
     ({"trainer__precision": "fp8"}, 1, "trainer.precision"),
     ({"trainer__timeout_s": 0.0}, 1, "trainer.timeout_s"),
+    ({"trainer__precision": "bf16", "trainer__device": "cpu"}, 1, "trainer.precision"),
     ({"strategy__name": "magic"}, 1, "strategy.name"),
     ({"strategy__name": "data", "strategy__zero": 4}, 2, "strategy.zero"),
     ({"strategy__name": "single"}, 2, "strategy"),
@@ -66,7 +67,7 @@ def test_user_model_with_own_init_rule_passes():
 
 
 def test_degrees_message_shows_the_arithmetic():
-    with pytest.raises(ConfigError, match=r"dp 3 = 3 != world size 4"):
+    with pytest.raises(ConfigError, match=r"dp 3 x pp 1 = 3 != world size 4"):
         ParallelDims.from_config(StrategyConfig(name="data", dp=3), 4)
 
 

@@ -1,0 +1,86 @@
+"""Turn a traced pipeline split into a chain: stage i feeds stage i+1 and nothing else.
+
+# Note [stage chain]
+torch.distributed.pipelining.pipeline() traces the forward and cuts it into
+stage submodules (fx GraphModules); a value that skips a stage (a residual from
+stage 0 used by stage 2) goes straight to its consumer. The stage objects built
+from that trace (`build_stage`) warm up their links by sending to every
+neighbour, which gloo cannot do when two stages share a rank, as V-shaped
+schedules (ZBV, DualPipeV) arrange. PyTorch's plain `PipelineStage` has no such
+limit but hands exactly one stage's outputs to the next. So each stage's graph
+is rewritten to take every value still needed downstream and to return the
+same for its successor, carrying skipped values through; every schedule then
+uses `PipelineStage`. The stage modules are the traced ones, so parameter names
+are the original model's. A carried value costs one extra send per stage it crosses.
+"""
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+Value = tuple  # (name of the producing node in the split graph, output index or None)
+
+
+def _value(arg: fx.Node) -> Value:
+    if arg.op == "call_function" and arg.target is operator.getitem:
+        return (arg.args[0].name, arg.args[1])
+    return (arg.name, None)
+
+
+def chain(pipe) -> list[fx.GraphModule]:
+    """Rewrite every stage of `pipe` (a torch.distributed.pipelining Pipe) in place; return them in order.
+
+    Raises:
+        ValueError: when the model's output is not one tensor made by the last stage.
+    """
+    placeholders, calls, out = [], [], None
+    for node in pipe.split_gm.graph.nodes:
+        if node.op == "placeholder":
+            placeholders.append((node.name, None))
+        elif node.op == "call_module":
+            calls.append(node)
+        elif node.op == "output":
+            out = node
+    result = out.args[0]
+    outputs = [_value(a) for a in (result if isinstance(result, (tuple, list)) else [result])]
+    if len(outputs) != 1 or outputs[0][0] != calls[-1].name:
+        raise ValueError("the model must return one tensor, computed in its last stage")
+    takes = [[_value(a) for a in node.args] for node in calls]
+    stages, live = [], list(placeholders)
+    for i, node in enumerate(calls):
+        later = takes[i + 1:] + ([outputs] if i == len(calls) - 1 else [])
+        needed = [v for t in later for v in t]
+        live_out = [v for v in live if v in needed]
+        live_out += [v for v in dict.fromkeys(needed) if v[0] == node.name and v not in live_out]
+        gm = pipe.split_gm.get_submodule(node.target)
+        _rewrite(gm, live, takes[i], node.name, live_out)
+        stages.append(gm)
+        live = live_out
+    return stages
+
+
+def _rewrite(gm: fx.GraphModule, live_in: list[Value], takes: list[Value], name: str,
+             live_out: list[Value]) -> None:
+    """Make `gm` take `live_in` and return `live_out` (a bare value when there is one)."""
+    g = gm.graph
+    old = [n for n in g.nodes if n.op == "placeholder"]
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    env: dict[Value, fx.Node] = {}
+    with g.inserting_before(first):
+        for i, v in enumerate(live_in):
+            env[v] = g.placeholder(f"live_{i}")
+    for ph, v in zip(old, takes):
+        ph.replace_all_uses_with(env[v])
+        g.erase_node(ph)
+    out = next(n for n in g.nodes if n.op == "output")
+    produced = out.args[0]
+    if isinstance(produced, (tuple, list)):
+        for i, p in enumerate(produced):
+            env[(name, i)] = p
+    else:
+        env[(name, None)] = produced
+    values = [env[v] for v in live_out]
+    out.args = (values[0] if len(values) == 1 else tuple(values),)
+    g.lint()
+    gm.recompile()

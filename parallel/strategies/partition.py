@@ -1,0 +1,206 @@
+"""Where pipeline stages begin: candidate blocks, their measured cost, and a balanced split.
+
+# Note [pipeline partitioning]
+Candidates are the model's top-level children in the order its forward calls
+them, with ModuleList / Sequential children expanded one level (the repeated
+blocks). A stage is a contiguous run of candidates; the split itself is traced
+from the forward (torch.distributed.pipelining.pipeline), so values that skip
+over stages and non-Sequential control flow are carried correctly. Costs:
+  params  trainable parameter count;
+  memory  bytes of weights + gradients + AdamW state + activations saved for
+          backward for the microbatches a stage holds at once;
+  time    forward + backward time of one microbatch, measured on a real copy of
+          the block on the CPU, or estimated from its FLOPs (counted on meta
+          tensors) at the rate measured on the other blocks when the block is
+          larger than `measure_limit_bytes`.
+The balancer minimizes the costliest stage, subject to each stage's memory
+fitting the budget when one is given.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+BALANCES = ("time", "memory", "params")
+
+
+@dataclass
+class Block:
+    name: str
+    params: int
+    param_bytes: int
+    act_bytes: int = 0
+    time_s: float = 0.0
+    flops: int = 0
+    measured: bool = False
+
+
+def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, tuple]]:
+    """Candidate block names in forward order, and each one's example (args, kwargs) on meta.
+
+    Args:
+        model: the unpartitioned model on the meta device.
+        example: the positional inputs of one microbatch (meta tensors).
+    """
+    names = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            names += [f"{name}.{sub}" for sub, _ in child.named_children()]
+        else:
+            names.append(name)
+    order, inputs, handles = [], {}, []
+    for name in names:
+        def hook(mod, args, kwargs, name=name):
+            if name not in inputs:
+                order.append(name)
+                inputs[name] = (args, kwargs)
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(*example)
+    finally:
+        for h in handles:
+            h.remove()
+    return order, inputs
+
+
+def _real(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.dtype.is_floating_point:
+        return torch.randn(t.shape, dtype=t.dtype).requires_grad_()
+    return torch.zeros(t.shape, dtype=t.dtype)  # token ids: 0 is valid for any vocabulary
+
+
+def _fwd_bwd(module: nn.Module, args, kwargs) -> None:
+    out = module(*args, **kwargs)
+    floats = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    if floats:
+        torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
+
+
+def _saved_bytes(module: nn.Module, args, kwargs) -> int:
+    """Bytes of the tensors autograd saves for backward during one forward (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args, **kwargs)
+    return sum(seen.values())
+
+
+def measure(model: nn.Module, names: list[str], inputs: dict, measure_limit_bytes: int = 256 << 20,
+            repeats: int = 3) -> list[Block]:
+    """Cost of each candidate block for one microbatch (see Note [pipeline partitioning])."""
+    blocks = []
+    for name in names:
+        mod = model.get_submodule(name)
+        params = [p for p in mod.parameters() if p.requires_grad]
+        b = Block(name, sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params))
+        args, kwargs = inputs[name]
+        with FlopCounterMode(display=False) as fc:
+            _fwd_bwd(mod, *tree_map(lambda t: t.detach().requires_grad_(t.dtype.is_floating_point)
+                                    if isinstance(t, torch.Tensor) else t, (args, kwargs)))
+        b.flops = fc.get_total_flops()
+        for p in mod.parameters():
+            p.grad = None  # the meta backward above must leave nothing behind in the model
+        if b.param_bytes <= measure_limit_bytes:
+            real = copy.deepcopy(mod).to_empty(device="cpu")
+            with torch.no_grad():
+                for t in list(real.parameters()) + list(real.buffers()):
+                    if t.dtype.is_floating_point:
+                        t.normal_(0, 0.02)
+            rargs, rkwargs = tree_map(_real, (args, kwargs))
+            b.act_bytes = _saved_bytes(real, rargs, rkwargs)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                _fwd_bwd(real, rargs, rkwargs)
+                times.append(time.perf_counter() - t0)
+            b.time_s, b.measured = sorted(times[1:])[len(times[1:]) // 2], True
+            del real
+        blocks.append(b)
+    _estimate_unmeasured(blocks)
+    return blocks
+
+
+def _estimate_unmeasured(blocks: list[Block]) -> None:
+    measured = [b for b in blocks if b.measured and b.flops > 0]
+    rate = sum(b.flops for b in measured) / max(1e-9, sum(b.time_s for b in measured)) if measured else 1e10
+    for b in blocks:
+        if not b.measured:
+            b.time_s = b.flops / rate
+            b.act_bytes = b.param_bytes  # without a run, assume activations as large as weights
+
+
+def stage_memory(blocks: list[Block], in_flight: int) -> int:
+    """Weights + grads + 2 AdamW moments (4x the weights) + saved activations of `in_flight` microbatches."""
+    return sum(4 * b.param_bytes + in_flight * b.act_bytes for b in blocks)
+
+
+def cost_of(block: Block, balance: str, in_flight: int = 1) -> float:
+    if balance == "params":
+        return float(block.params)
+    if balance == "memory":
+        return float(stage_memory([block], in_flight))
+    return block.time_s
+
+
+def balance(costs: list[float], stages: int, memory: list[int] | None = None,
+            budget: int | None = None) -> list[int]:
+    """Start index of each stage for contiguous groups minimizing the largest group cost.
+
+    Args:
+        costs: cost of each block, in order.
+        stages: number of groups (<= len(costs)).
+        memory: bytes of each block (when a budget is given).
+        budget: the largest memory one stage may need; None for no limit.
+    Raises:
+        ValueError: when no split fits the budget.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    mprefix = [0]
+    for m in memory or [0] * n:
+        mprefix.append(mprefix[-1] + m)
+    inf = float("inf")
+    # best[s][i]: the lowest possible max-cost of splitting blocks[:i] into s stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                if budget is not None and mprefix[i] - mprefix[j] > budget:
+                    continue
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    if best[stages][n] == inf:
+        raise ValueError(f"no split into {stages} stages fits {budget} bytes per stage")
+    starts, i = [], n
+    for s in range(stages, 0, -1):
+        i = cut[s][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def equal_split(n: int, stages: int) -> list[int]:
+    """Start indices that give each stage the same number of blocks (earlier ones one more)."""
+    size, extra = divmod(n, stages)
+    starts, i = [], 0
+    for s in range(stages):
+        starts.append(i)
+        i += size + (1 if s < extra else 0)
+    return starts

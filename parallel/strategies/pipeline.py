@@ -1,0 +1,313 @@
+"""strategy=pipeline: the model split by layers into stages, microbatches through PyTorch's schedules.
+
+The split is traced from the model's forward (Note [pipeline partitioning] in
+partition.py), so every stage keeps the original parameter names and skip
+connections that cross stages are carried. Weights tied across stages (an
+embedding shared with the output head) live as one copy per stage; their
+gradients are summed over the copies before the step, so the copies stay equal.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+
+from parallel.config import Config, ConfigError
+from parallel.init import InitPlan, materialize_and_init
+from parallel.strategies import partition, schedules
+from parallel.strategies.chain import chain
+
+
+@dataclass
+class Split:
+    """How the model is cut: stage start blocks, the traced pipe, and one row per stage to print."""
+
+    starts: list[str]
+    pipe: object
+    rows: list[dict] = field(default_factory=list)
+
+
+def example_microbatch(cfg: Config, dp: int, device="meta") -> tuple:
+    """The positional inputs of one microbatch, as the data source will hand them out."""
+    d = cfg.data
+    mb = cfg.trainer.batch_size // dp // microbatches(cfg)
+    if d.task == "lm":
+        return (torch.zeros(mb, d.seq_len, dtype=torch.long, device=device),)
+    return (torch.zeros(mb, d.features, device=device),)
+
+
+def microbatches(cfg: Config) -> int:
+    return cfg.strategy.microbatches  # filled by config.resolve
+
+
+def trace(model: nn.Module, example: tuple, starts: list[str]):
+    """Trace `model` (on meta) and cut it before each name in `starts[1:]`."""
+    try:
+        return pipeline(model, mb_args=example, split_spec={n: SplitPoint.BEGINNING for n in starts[1:]})
+    except Exception as e:  # torch.export raises many types; all mean "cannot trace"
+        raise ConfigError(
+            f"strategy=pipeline: the forward of {type(model).__name__} cannot be traced into stages "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pipelining needs a forward "
+            "without data-dependent Python control flow that takes and returns tensors; rewrite that part "
+            "(e.g. torch.where instead of `if` on a tensor), or use strategy=data.") from None
+
+
+def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> Split:
+    """Choose the stage boundaries (split points given, or balanced) and trace the split.
+
+    Args:
+        model: the unpartitioned model on the meta device.
+        cfg: the run config (strategy.split_points, strategy.balance, memory.budget).
+        dp: the data-parallel degree (it sets the microbatch size).
+        measure: time blocks on real tensors (False: FLOPs only, for validation).
+    """
+    s = cfg.strategy
+    n_stages = s.pp * s.stages_per_rank
+    example = example_microbatch(cfg, dp)
+    names, inputs = partition.candidates(model, example)
+    if n_stages > len(names):
+        raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
+                          f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)})")
+    blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if measure else -1)
+    in_flight = microbatches(cfg) if schedules.canonical(s.schedule) == "GPipe" else min(microbatches(cfg), s.pp)
+    if s.split_points:
+        missing = [p for p in s.split_points if p not in names]
+        if missing:
+            raise ConfigError(f"strategy.split_points={list(s.split_points)}: {missing} name no block where a "
+                              f"stage can begin (valid: {names[1:]})")
+        if len(s.split_points) != n_stages - 1:
+            raise ConfigError(f"strategy.split_points={list(s.split_points)}: {n_stages} stages need "
+                              f"{n_stages - 1} split points")
+        idx = sorted(names.index(p) for p in s.split_points)
+        if idx[0] == 0 or len(set(idx)) != len(idx):
+            raise ConfigError(f"strategy.split_points={list(s.split_points)}: must be distinct and not the "
+                              f"first block '{names[0]}'")
+        starts_idx = [0] + idx
+    else:
+        costs = [partition.cost_of(b, s.balance, in_flight) for b in blocks]
+        mem = [partition.stage_memory([b], in_flight) for b in blocks]
+        budget = _budget(cfg)
+        try:
+            starts_idx = partition.balance(costs, n_stages, mem, budget)
+        except ValueError as e:
+            raise ConfigError(f"memory.budget={cfg.memory.budget}: {e}") from None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Measured times differ from rank to rank; every rank must cut the model
+        # the same way, so rank 0's choice wins.
+        box = [starts_idx]
+        dist.broadcast_object_list(box, src=0)
+        starts_idx = box[0]
+    starts = [names[i] for i in starts_idx]
+    pipe = trace(model, example, starts)
+    if pipe.num_stages != n_stages:
+        raise ConfigError(f"strategy.split_points={starts[1:]}: the traced forward gave {pipe.num_stages} "
+                          f"stages, not {n_stages}; pick blocks that the forward calls in order")
+    ranks = schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank)
+    bounds = starts_idx + [len(names)]
+    rows = []
+    for i in range(n_stages):
+        group = blocks[bounds[i]:bounds[i + 1]]
+        rows.append({"stage": i, "rank": ranks[i], "first": group[0].name, "last": group[-1].name,
+                     "blocks": len(group), "params": sum(b.params for b in group),
+                     "time_ms": 1e3 * sum(b.time_s for b in group),
+                     "memory_bytes": partition.stage_memory(group, in_flight)})
+    return Split(starts, pipe, rows)
+
+
+def _budget(cfg: Config) -> int | None:
+    from parallel.config import parse_bytes
+
+    return parse_bytes(cfg.memory.budget) if cfg.memory.budget else None
+
+
+def format_split(split: Split) -> str:
+    lines = [f"{'stage':>5} {'rank':>4}  {'blocks':<28} {'params':>10} {'time ms':>8} {'memory MB':>10}"]
+    for r in split.rows:
+        span = r["first"] if r["blocks"] == 1 else f"{r['first']} .. {r['last']}"
+        lines.append(f"{r['stage']:>5} {r['rank']:>4}  {span:<28} {r['params']:>10,} {r['time_ms']:>8.2f} "
+                     f"{r['memory_bytes'] / 1e6:>10.2f}")
+    return "\n".join(lines)
+
+
+@dataclass
+class TiedCopy:
+    """This rank's copies of one weight tied across stages, and who else holds it."""
+
+    params: list[nn.Parameter]
+    group: object  # process group of the ranks holding a copy; None when only this rank does
+    owner: bool  # this rank's first copy is the one counted in the gradient norm
+
+
+def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+    """Materialize this rank's stages; returns (stage objects, their modules, tied copies)."""
+    s = cfg.strategy
+    pp_mesh = mesh["pp"]
+    pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+    ranks = schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank)
+    mine = [i for i, r in enumerate(ranks) if r == pp_rank]
+    try:
+        chained = chain(split.pipe)  # Note [stage chain]
+    except ValueError as e:
+        raise ConfigError(f"strategy=pipeline: {e}") from None
+    stages, modules = [], []
+    for i in mine:
+        mod = chained[i]
+        materialize_and_init(mod, device, cfg.trainer.seed, plan)
+        stages.append(PipelineStage(mod, i, len(chained), device, group=pp_group))
+        modules.append(mod)
+    return stages, modules, _tie(split, mesh, modules, ranks, plan)
+
+
+def _tie(split: Split, mesh: DeviceMesh, modules: list[nn.Module], ranks: list[int], plan: InitPlan):
+    """Find weights that more than one stage holds and the groups that sum their gradients."""
+    groups: dict[str, list[int]] = {}  # canonical name -> stages holding a copy
+    for i in range(split.pipe.num_stages):
+        for name, _ in split.pipe.get_stage_module(i).named_parameters():
+            canonical = plan[name][2]
+            groups.setdefault(canonical, []).append(i)
+    tied = []
+    pp_rows = mesh["pp"].mesh if mesh.ndim == 1 else mesh.mesh.reshape(-1, mesh["pp"].size())
+    me = dist.get_rank()
+    for canonical, stages in sorted(groups.items()):
+        if len(stages) < 2:
+            continue
+        holders = sorted({ranks[i] for i in stages})
+        group = None
+        for row in pp_rows.tolist():  # every rank creates every group, in the same order
+            g = dist.new_group([row[r] for r in holders]) if len(holders) > 1 else None
+            if me in row:
+                group = g
+        params = [p for m in modules for n, p in m.named_parameters() if plan[n][2] == canonical]
+        if params:
+            pp_rank = mesh["pp"].get_local_rank()
+            tied.append(TiedCopy(params, group, owner=ranks[stages[0]] == pp_rank))
+    return tied
+
+
+class PipelineEngine:
+    """One training step through a pipeline schedule, and the pipeline's own metrics."""
+
+    def __init__(self, cfg: Config, mesh: DeviceMesh, split: Split, stages, modules, tied, loss_fn,
+                 tied_names: list[list[str]]):
+        s = cfg.strategy
+        self.tied_names = tied_names
+        self.cfg, self.mesh, self.split, self.stages, self.tied = cfg, mesh, split, stages, tied
+        self.model = nn.ModuleList(modules)  # what the optimizer and the memory watch see
+        self.m = microbatches(cfg)
+        cls = schedules.schedule_class(s.schedule)
+        multi = schedules.is_multi_stage(s.schedule)
+        self.schedule = cls(stages if multi else stages[0], n_microbatches=self.m, loss_fn=loss_fn,
+                            scale_grads=True)
+        self.has_first = any(st.is_first for st in stages)
+        self.has_last = any(st.is_last for st in stages)
+        self.holds_loss = self.has_last
+        self.loss_group = mesh["dp"].get_group()
+        self.pp_group = mesh["pp"].get_group()
+        self.busy = 0.0
+        self.stage_busy = {st.stage_index: 0.0 for st in stages}
+        self.step_time = 0.0
+        for st in stages:
+            _time_compute(st, self)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Run the schedule over the batch; returns this rank's mean microbatch loss (0 off the last stage)."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        self.busy, self.stage_busy = 0.0, dict.fromkeys(self.stage_busy, 0.0)
+        t0 = time.perf_counter()
+        self.schedule.step(*args, target=y if self.has_last else None, losses=losses, return_outputs=False)
+        self.step_time = time.perf_counter() - t0
+        self._sum_tied_grads()
+        if not losses:
+            return torch.zeros((), device=x.device)
+        return torch.stack([l.detach().float() for l in losses]).mean()
+
+    def _sum_tied_grads(self) -> None:
+        for t in self.tied:
+            grads = [p.grad for p in t.params if p.grad is not None]
+            if not grads:
+                continue
+            total = torch.stack(grads).sum(0)
+            if t.group is not None:
+                dist.all_reduce(total, group=t.group)
+            for p in t.params:
+                p.grad = total.clone()
+
+    @torch.no_grad()
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Global grad norm over all stages (a tied weight counted once), clipped when max_norm > 0."""
+        skip = {id(p) for t in self.tied for i, p in enumerate(t.params) if not (t.owner and i == 0)}
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in skip]
+        sq = sum((g.float().pow(2).sum() for g in counted), torch.zeros((), device=grads[0].device if grads else "cpu"))
+        dist.all_reduce(sq, group=self.pp_group)
+        norm = sq.sqrt()
+        if max_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        return norm
+
+    def full_state_dict(self) -> dict:
+        """Every stage's tensors under their original names, gathered on global rank 0.
+
+        A weight tied across stages appears under each of its names, as in the
+        unpartitioned model's state dict.
+        """
+        local = {k: v.detach().cpu() for m in self.model for k, v in m.state_dict().items()}
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(local, parts, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        state = {}
+        for part in parts:
+            state.update(part)
+        for names in self.tied_names:
+            present = [n for n in names if n in state]
+            for n in names:
+                if present and n not in state:
+                    state[n] = state[present[0]]
+        return state
+
+    def metrics(self) -> dict:
+        """Bubble (measured and analytic), stage imbalance; collective over all ranks."""
+        from parallel.metrics import gather_floats
+
+        s = self.cfg.strategy
+        v = s.stages_per_rank
+        busy = gather_floats([self.busy, self.step_time])
+        bubbles = [max(0.0, 1 - b / t) if t > 0 else 0.0 for b, t in zip(busy[0::2], busy[1::2])]
+        per_stage = [0.0] * (s.pp * s.stages_per_rank)
+        for idx, t in self.stage_busy.items():
+            per_stage[idx] = t
+        stage_times = gather_floats(per_stage)
+        totals = [sum(stage_times[i::len(per_stage)]) for i in range(len(per_stage))]
+        mean = sum(totals) / len(totals)
+        return {"bubble_measured": sum(bubbles) / len(bubbles), "bubble_measured_per_rank": bubbles,
+                "bubble_analytic": schedules.analytic_bubble(s.schedule, s.pp, v, self.m),
+                "stage_imbalance": max(totals) / mean if mean > 0 else 1.0,
+                "stage_time_s_per_stage": totals}
+
+
+def _time_compute(stage, engine: PipelineEngine) -> None:
+    """Add the compute time of each chunk this stage runs to the engine's busy counters.
+
+    Sends and receives happen outside these calls, so what is left of the step
+    is waiting: the measured bubble.
+    """
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        inner = getattr(stage, name)
+
+        def timed(*args, _inner=inner, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                engine.busy += dt
+                engine.stage_busy[stage.stage_index] += dt
+
+        setattr(stage, name, timed)
