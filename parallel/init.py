@@ -107,7 +107,9 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, plan
         plan: `init_plan` of the unpartitioned model; by default, of `model` itself.
     """
     plan = plan if plan is not None else init_plan(model)
+    slots = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
     model.to_empty(device=device)
+    _retie(slots)
     for p in model.parameters():
         p.grad = None  # to_empty would have turned a stray meta .grad into uninitialized memory
     done: set[int] = set()
@@ -127,6 +129,22 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, plan
         else:
             tensor.copy_(full)
     return model
+
+
+def _retie(slots) -> None:
+    """Share again the parameters that were shared before `to_empty`.
+
+    Moving off the meta device builds a new Parameter for every module slot, so
+    a weight tied between two modules (an embedding and the output head) would
+    silently become two weights. `slots` lists (module, name, old parameter).
+    """
+    first: dict[int, nn.Parameter] = {}
+    for module, name, old in slots:
+        new = module._parameters[name]
+        if id(old) in first:
+            module._parameters[name] = first[id(old)]
+        else:
+            first[id(old)] = new
 
 
 def check_initializable(model: nn.Module) -> None:

@@ -62,3 +62,52 @@ class NoRule(nn.Module):
 
 def no_rule() -> nn.Module:
     return NoRule()
+
+
+class SkipNet(nn.Module):
+    """A residual from the first block to the head: under a pipeline it crosses every stage boundary."""
+
+    def __init__(self, features: int, width: int, out: int, depth: int):
+        super().__init__()
+        self.inp = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, out)
+
+    def forward(self, x):
+        first = self.inp(x)
+        h = first
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h + first)
+
+
+def skip_net(features: int = 32, width: int = 16, out: int = 4, depth: int = 4) -> nn.Module:
+    return SkipNet(features, width, out, depth)
+
+
+class Branchy(nn.Module):
+    """Data-dependent Python control flow: cannot be traced into pipeline stages."""
+
+    def __init__(self, features: int = 32, out: int = 4):
+        super().__init__()
+        self.a = nn.Linear(features, out)
+        self.b = nn.Linear(features, out)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.a(x)
+        return self.b(x)
+
+
+class Heavy(nn.Module):
+    """Nine blocks, the first with 4x the parameters of each other one (for the balancer)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(width, 4 * width, bias=False), nn.Linear(4 * width, width, bias=False)]
+                                    + [nn.Linear(width, width, bias=False) for _ in range(7)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x

@@ -12,9 +12,11 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
+        # No biases: a key bias has an exactly zero gradient (softmax ignores a
+        # shift shared by all keys), so AdamW would only amplify rounding noise.
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, seq_len: int, dim: int, heads: int, layers: int, mlp_ratio: int):
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, heads: int, layers: int, mlp_ratio: int,
+                 tie_embeddings: bool = False):
         super().__init__()
         if dim % heads:
             raise ValueError(f"model.args.dim={dim} must divide by model.args.heads={heads}")
@@ -63,6 +66,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
+        if tie_embeddings:
+            # One matrix for the input embedding and the output head.
+            self.head.weight = self.tok.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -73,6 +79,6 @@ class GPT(nn.Module):
 
 
 def build_gpt(vocab_size: int = 64, seq_len: int = 32, dim: int = 64, heads: int = 4,
-              layers: int = 2, mlp_ratio: int = 4) -> GPT:
+              layers: int = 2, mlp_ratio: int = 4, tie_embeddings: bool = False) -> GPT:
     """The built-in `gpt` model (token ids in, next-token logits out)."""
-    return GPT(vocab_size, seq_len, dim, heads, layers, mlp_ratio)
+    return GPT(vocab_size, seq_len, dim, heads, layers, mlp_ratio, tie_embeddings)

@@ -82,5 +82,23 @@ def _rewrite(gm: fx.GraphModule, live_in: list[Value], takes: list[Value], name:
         env[(name, None)] = produced
     values = [env[v] for v in live_out]
     out.args = (values[0] if len(values) == 1 else tuple(values),)
+    # The traced graph flattens its inputs by the original signature; the
+    # rewritten one takes the live values as plain positional arguments.
+    g.set_codegen(fx.graph.CodeGen())
     g.lint()
     gm.recompile()
+
+
+def retarget(gm: fx.GraphModule, device) -> None:
+    """Point tensors the traced graph creates (e.g. positions from torch.arange) at `device`.
+
+    Tracing ran on the meta device, which the graph recorded in those calls.
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        dev = node.kwargs.get("device")
+        if dev is not None and str(dev) == "meta":
+            node.update_kwarg("device", device)
+            changed = True
+    if changed:
+        gm.recompile()

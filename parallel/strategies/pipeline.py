@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from parallel.config import Config, ConfigError
 from parallel.init import InitPlan, materialize_and_init
 from parallel.strategies import partition, schedules
-from parallel.strategies.chain import chain
+from parallel.strategies.chain import chain, retarget
 
 
 @dataclass
@@ -157,6 +157,7 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
+        retarget(mod, device)
         materialize_and_init(mod, device, cfg.trainer.seed, plan)
         stages.append(PipelineStage(mod, i, len(chained), device, group=pp_group))
         modules.append(mod)

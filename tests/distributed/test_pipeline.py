@@ -1,0 +1,76 @@
+"""strategy=pipeline under every schedule trains to the same numbers as strategy=single."""
+import pytest
+
+from parallel.strategies.schedules import SCHEDULES
+from tests import cli
+
+MLP = ["model.args.depth=2"]  # inp, 2 blocks, head: enough for 4 stages on 2 ranks
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    cli.run(cli.FAST + MLP + [f"run_dir={run_dir}"], cwd=run_dir)
+    return run_dir
+
+
+def pipeline_run(tmp_path, args, nproc=2):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cli.run(cli.FAST + args + [f"nproc={nproc}", "strategy=pipeline", f"run_dir={tmp_path}"], cwd=tmp_path,
+            timeout=240)
+    return tmp_path
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_on_two_ranks_matches_single(single, tmp_path, schedule):
+    run = pipeline_run(tmp_path, MLP + [f"strategy.schedule={schedule}"])
+    cli.assert_same_training(run, single)
+    last = cli.metrics(run)[-1]
+    for key in ("bubble_measured", "bubble_analytic", "stage_imbalance"):
+        assert key in last
+    assert 0 <= last["bubble_measured"] < 1 and 0 <= last["bubble_analytic"] < 1
+    assert len(last["mem_peak_bytes_per_rank"]) == 2 and min(last["mem_peak_bytes_per_rank"]) > 0
+    assert len(last["stage_time_s_per_stage"]) == (2 if schedule in ("GPipe", "1F1B") else 4)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_four_ranks_match_single(tmp_path, schedule):
+    deep = ["model.args.depth=6"]  # 8 blocks: 8 stages for the interleaved schedule
+    ref = tmp_path / "single"
+    cli.run(cli.FAST + deep + [f"run_dir={ref}"], cwd=tmp_path)
+    run = pipeline_run(tmp_path / "pp", deep + [f"strategy.schedule={schedule}"], nproc=4)
+    cli.assert_same_training(run, ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_skip_connection_across_stages(tmp_path, schedule):
+    model = ["model=custom", "model._target_=tests.user_model.skip_net"]
+    ref = tmp_path / "single"
+    cli.run(cli.FAST + model + [f"run_dir={ref}"], cwd=tmp_path)
+    run = pipeline_run(tmp_path / "pp", model + [f"strategy.schedule={schedule}"])
+    cli.assert_same_training(run, ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_tied_embedding_and_head_with_token_ids(tmp_path, schedule):
+    """The embedding (first stage) and head (last stage) share one matrix; with ZBV
+    both stages sit on rank 0, with 1F1B on different ranks."""
+    gpt = ["model=gpt", "data.task=lm", "model.args.tie_embeddings=true", "model.args.layers=2",
+           "model.args.dim=32", "data.seq_len=16"]
+    ref = tmp_path / "single"
+    cli.run(cli.FAST + gpt + [f"run_dir={ref}"], cwd=tmp_path)
+    run = pipeline_run(tmp_path / "pp", gpt + [f"strategy.schedule={schedule}"])
+    cli.assert_same_training(run, ref)
+    final = cli.final_weights(run)
+    assert (final["tok.weight"] == final["head.weight"]).all()
+
+
+@pytest.mark.timeout(200)
+def test_given_split_points_are_used(tmp_path):
+    run = pipeline_run(tmp_path, MLP + ["strategy.split_points=[blocks.1]", "trainer.progress=false"])
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "inp .. blocks.0" in log and "blocks.1 .. head" in log
