@@ -100,14 +100,18 @@ class Branchy(nn.Module):
 
 
 class Heavy(nn.Module):
-    """Nine blocks, the first with 4x the parameters of each other one (for the balancer)."""
+    """Nine blocks; the first is four Linears in a row, 4x each other block's cost (for the balancer)."""
 
     def __init__(self, width: int = 32):
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(width, 4 * width, bias=False), nn.Linear(4 * width, width, bias=False)]
-                                    + [nn.Linear(width, width, bias=False) for _ in range(7)])
+        heavy = nn.Sequential(*(nn.Linear(width, width) for _ in range(4)))
+        self.blocks = nn.ModuleList([heavy] + [nn.Linear(width, width) for _ in range(8)])
 
     def forward(self, x):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def heavy(width: int = 32) -> nn.Module:
+    return Heavy(width)

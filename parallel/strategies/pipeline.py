@@ -50,11 +50,16 @@ def trace(model: nn.Module, example: tuple, starts: list[str]):
     try:
         return pipeline(model, mb_args=example, split_spec={n: SplitPoint.BEGINNING for n in starts[1:]})
     except Exception as e:  # torch.export raises many types; all mean "cannot trace"
-        raise ConfigError(
-            f"strategy=pipeline: the forward of {type(model).__name__} cannot be traced into stages "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pipelining needs a forward "
-            "without data-dependent Python control flow that takes and returns tensors; rewrite that part "
-            "(e.g. torch.where instead of `if` on a tensor), or use strategy=data.") from None
+        raise untraceable(model, e) from None
+
+
+def untraceable(model: nn.Module, e: Exception) -> ConfigError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return ConfigError(
+        f"strategy=pipeline: the forward of {type(model).__name__} cannot be traced into stages "
+        f"({type(e).__name__}: {first}). Pipelining needs a forward without data-dependent Python "
+        "control flow that takes and returns tensors; rewrite that part (e.g. torch.where instead of "
+        "`if` on a tensor's value), or use strategy=data.")
 
 
 def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> Split:
@@ -69,7 +74,10 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
     s = cfg.strategy
     n_stages = s.pp * s.stages_per_rank
     example = example_microbatch(cfg, dp)
-    names, inputs = partition.candidates(model, example)
+    try:
+        names, inputs = partition.candidates(model, example)
+    except Exception as e:  # the forward failed on meta tensors: same cause as a failed trace
+        raise untraceable(model, e) from None
     if n_stages > len(names):
         raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
                           f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)})")

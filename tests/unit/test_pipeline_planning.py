@@ -1,0 +1,114 @@
+"""Pipeline planning without processes: schedules, balancing, and bad input."""
+import pytest
+import torch
+
+from parallel.config import Config, ConfigError, validate
+from parallel.strategies import partition, schedules
+from tests.user_model import Heavy
+
+
+def test_schedule_names_are_case_insensitive_and_complete():
+    assert schedules.canonical("gpipe") == "GPipe" and schedules.canonical("zbvzerobubble") == "ZBVZeroBubble"
+    assert schedules.canonical("nope") is None
+    assert [schedules.default_stages_per_rank(s) for s in schedules.SCHEDULES] == [1, 1, 2, 2, 2, 2, 2]
+
+
+def test_stage_placement():
+    assert schedules.stage_ranks("1F1B", 4, 1) == [0, 1, 2, 3]
+    assert schedules.stage_ranks("Interleaved1F1B", 2, 2) == [0, 1, 0, 1]
+    # V: the first and last stage share rank 0.
+    assert schedules.stage_ranks("ZBVZeroBubble", 2, 2) == [0, 1, 1, 0]
+    assert schedules.stage_ranks("DualPipeV", 3, 2) == [0, 1, 2, 2, 1, 0]
+
+
+def test_analytic_bubble():
+    assert schedules.analytic_bubble("1F1B", 2, 1, 4) == pytest.approx(1 / 5)
+    assert schedules.analytic_bubble("GPipe", 4, 1, 8) == pytest.approx(3 / 11)
+    assert schedules.analytic_bubble("Interleaved1F1B", 2, 2, 4) == pytest.approx(1 / 9)
+    assert schedules.analytic_bubble("ZBVZeroBubble", 2, 2, 8) == 0.0
+    assert schedules.analytic_bubble("1F1B", 1, 1, 4) == 0.0
+
+
+def _stage_costs(costs, starts):
+    bounds = starts + [len(costs)]
+    return [sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(starts))]
+
+
+@pytest.mark.parametrize("balance", ["params", "memory", "time"])
+def test_balancer_evens_out_a_heavy_block_where_equal_layers_do_not(balance):
+    with torch.device("meta"):
+        model = Heavy(width=256)
+    example = (torch.zeros(64, 256, device="meta"),)
+    names, inputs = partition.candidates(model, example)
+    assert names == [f"blocks.{i}" for i in range(9)]
+    blocks = partition.measure(model, names, inputs, repeats=7)
+    costs = [partition.cost_of(b, balance) for b in blocks]
+    balanced = _stage_costs(costs, partition.balance(costs, 2))
+    equal = _stage_costs(costs, partition.equal_split(len(costs), 2))
+    assert max(balanced) / min(balanced) <= 1.15, (balance, balanced)
+    assert max(equal) / min(equal) > 1.15, (balance, equal)
+    # The heavy block was measured as the heavy one.
+    assert costs[0] > 3 * max(costs[1:]) * (0.5 if balance == "time" else 1)
+
+
+def test_balancer_respects_a_memory_budget():
+    costs = [1.0, 1.0, 1.0, 1.0]
+    memory = [30, 10, 10, 10]
+    assert partition.balance(costs, 2) == [0, 2]  # 2 + 2 blocks, but the first stage needs 40
+    assert partition.balance(costs, 2, memory, budget=40) == [0, 2]
+    assert partition.balance(costs, 2, memory, budget=35) == [0, 1]  # slower, but it fits
+    with pytest.raises(ValueError, match="no split"):
+        partition.balance(costs, 2, memory, budget=25)
+
+
+def _pipeline_cfg(**strategy) -> Config:
+    cfg = Config()
+    cfg.strategy.name = "pipeline"
+    cfg.model.args = {"in_features": 32, "out_features": 4, "depth": 2}
+    for k, v in strategy.items():
+        setattr(cfg.strategy, k, v)
+    return cfg
+
+
+BAD = [
+    ({"microbatches": 0}, "strategy.microbatches"),
+    ({"microbatches": 5}, "strategy.microbatches"),
+    ({"schedule": "zigzag"}, "strategy.schedule"),
+    ({"schedule": "ZBVZeroBubble", "stages_per_rank": 1}, "strategy.schedule"),
+    ({"schedule": "1F1B", "stages_per_rank": 2}, "strategy.schedule"),
+    ({"schedule": "DualPipeV", "microbatches": 2}, "strategy.schedule"),
+    ({"schedule": "Interleaved1F1B", "microbatches": 8, "stages_per_rank": 4}, "strategy.pp"),
+    ({"split_points": ["blocks.9"]}, "strategy.split_points"),
+    ({"split_points": ["inp"]}, "strategy.split_points"),
+    ({"split_points": ["blocks.0", "blocks.1"]}, "strategy.split_points"),
+    ({"balance": "vibes"}, "strategy.balance"),
+    ({"dp": 2}, "strategy.dp"),
+]
+
+
+@pytest.mark.parametrize("changes,key", BAD, ids=[k + str(list(c.values())) for c, k in BAD])
+def test_bad_pipeline_input_names_the_key(changes, key):
+    with pytest.raises(ConfigError) as info:
+        validate(_pipeline_cfg(**changes), world_size=2)
+    assert str(info.value).startswith(key), str(info.value)
+
+
+def test_grad_accum_is_refused_under_pipeline():
+    cfg = _pipeline_cfg()
+    cfg.trainer.grad_accum = 2
+    with pytest.raises(ConfigError, match="trainer.grad_accum"):
+        validate(cfg, 2)
+
+
+def test_untraceable_model_says_what_to_do():
+    cfg = _pipeline_cfg()
+    cfg.model.name, cfg.model._target_, cfg.model.args = "custom", "tests.user_model.Branchy", {}
+    with pytest.raises(ConfigError, match="cannot be traced.*strategy=data"):
+        validate(cfg, 2)
+
+
+def test_valid_pipeline_config_fills_derived_values():
+    cfg = _pipeline_cfg(schedule="interleaved1f1b")
+    validate(cfg, 2)
+    s = cfg.strategy
+    assert (s.schedule, s.pp, s.dp, s.stages_per_rank, s.microbatches) == ("Interleaved1F1B", 2, 1, 2, 8)
