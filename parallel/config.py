@@ -57,6 +57,10 @@ class StrategyConfig:
     split_points: List[str] = field(default_factory=list)
     # The cost the automatic split balances: time, memory or params.
     balance: str = "time"
+    # Tensor-parallel degree (ranks sharing each layer); None derives it from the world size.
+    tp: Optional[int] = None
+    # Module-name pattern (with *) -> style name; empty: the built-in model's own plan.
+    tp_plan: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -182,7 +186,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
 
     s = cfg.strategy
     dims = ParallelDims.from_config(s, world_size)
-    s.dp, s.pp = dims.dp, dims.pp
+    s.dp, s.pp, s.tp = dims.dp, dims.pp, dims.tp
     if s.name == "pipeline":
         name = schedules.canonical(s.schedule)
         if name is None:
@@ -237,6 +241,8 @@ def validate(cfg: Config, world_size: int) -> None:
              "strategy=data or strategy=pipeline for several processes")
     if s.name != "data" and s.zero != 0:
         fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data")
+    if s.tp_plan and s.name != "model":
+        fail("strategy.tp_plan", dict(s.tp_plan), "a tensor-parallel plan needs strategy=model")
     if s.balance not in BALANCES:
         fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
     resolve(cfg, world_size)
@@ -252,6 +258,10 @@ def validate(cfg: Config, world_size: int) -> None:
     if s.name == "pipeline":
         _validate_pipeline(cfg, per_rank)
     validate_model(cfg.model)
+    if s.name == "model":
+        from parallel.strategies.tensor import resolve_plan
+
+        resolve_plan(build_meta_model(cfg.model), cfg)
     if s.name == "pipeline":
         from parallel.strategies.pipeline import plan_split
 

@@ -15,6 +15,7 @@ class ParallelDims:
 
     dp: int
     pp: int
+    tp: int
     world_size: int
 
     @classmethod
@@ -25,13 +26,13 @@ class ParallelDims:
             s: the strategy config (degrees may be None).
             world_size: the number of workers.
         """
-        for key in ("dp", "pp"):
+        for key in ("dp", "pp", "tp"):
             value = getattr(s, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"strategy.{key}={value!r}: must be an integer >= 1")
         # Each strategy spreads over one dimension; the others stay 1.
-        spread = {"single": None, "data": "dp", "pipeline": "pp"}.get(s.name)
-        degrees = {"dp": s.dp, "pp": s.pp}
+        spread = {"single": None, "data": "dp", "pipeline": "pp", "model": "tp"}.get(s.name)
+        degrees = {"dp": s.dp, "pp": s.pp, "tp": s.tp}
         for key, value in degrees.items():
             if key != spread and value not in (None, 1):
                 raise ConfigError(f"strategy.{key}={value}: strategy={s.name} does not use a {key} dimension "
@@ -40,24 +41,28 @@ class ParallelDims:
                 degrees[key] = 1
         if spread is not None and degrees[spread] is None:
             degrees[spread] = world_size
-        product = degrees["dp"] * degrees["pp"]
+        product = degrees["dp"] * degrees["pp"] * degrees["tp"]
         if product != world_size:
             raise ConfigError(
                 f"strategy.{spread or 'dp'}={degrees[spread or 'dp']}: the degrees must multiply to the world size: "
-                f"dp {degrees['dp']} x pp {degrees['pp']} = {product} != world size {world_size} "
-                f"(leave degrees unset to derive them)")
-        return cls(dp=degrees["dp"], pp=degrees["pp"], world_size=world_size)
+                f"dp {degrees['dp']} x pp {degrees['pp']} x tp {degrees['tp']} = {product} != world size "
+                f"{world_size} (leave degrees unset to derive them)")
+        return cls(dp=degrees["dp"], pp=degrees["pp"], tp=degrees["tp"], world_size=world_size)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return ("dp", "pp")
+        return ("dp", "pp", "tp")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.dp, self.pp)
+        return (self.dp, self.pp, self.tp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh over all ranks, pp innermost (needs an initialized process group)."""
+        """The named mesh over all ranks (needs an initialized process group).
+
+        tp is innermost, so the ranks of a tensor-parallel group are consecutive
+        and, with torchrun's numbering, on one node where its traffic is heaviest.
+        """
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
 
 

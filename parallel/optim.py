@@ -50,16 +50,23 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.opti
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """The global gradient norm (clipped to `max_norm` when > 0), right across shards.
 
-    torch's clip_grad_norm_ returns a partial DTensor norm for sharded gradients;
-    here it is made whole first, so every rank clips by the same factor and the
-    reported norm equals the single-device one.
+    Sharded gradients (DTensors: FSDP, tensor parallel) and whole ones are
+    normed apart: torch's norm of a sharded gradient is a partial DTensor, made
+    whole here, so every rank clips by the same factor and the reported norm
+    equals the single-device one. A whole gradient is the same on every rank.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups = [[g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]]
+    squares = []
+    for group in groups:
+        if group:
+            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+            squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    norm = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        for group in groups:
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

@@ -43,8 +43,8 @@ def build_run(cfg: Config, dims: ParallelDims, device: torch.device) -> Run:
     optimizer = build_optimizer(engine.model, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
     data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
-    # The loss lives where the engine computes it; one such rank (data-parallel rank 0) logs.
-    is_logger = engine.holds_loss and dp_rank == 0
+    # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
+    is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, device, is_logger)
 
 

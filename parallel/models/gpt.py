@@ -70,6 +70,23 @@ class GPT(nn.Module):
             # One matrix for the input embedding and the output head.
             self.head.weight = self.tok.weight
 
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """Tensor-parallel plan: q, k, v colwise (each rank a subset of the heads), the
+        attention output rowwise; MLP up colwise, down rowwise; the head's vocabulary
+        split and gathered for the loss (kept whole when tied to the embedding).
+        Embeddings and norms stay whole."""
+        heads, dim = self.blocks[0].attn.heads, self.tok.embedding_dim
+        if heads % tp:
+            raise ValueError(f"model.args.heads={heads} must divide by tp {tp}")
+        plan = {}
+        for i in range(len(self.blocks)):
+            p = f"blocks.{i}"
+            plan.update({f"{p}.attn.q": "colwise", f"{p}.attn.k": "colwise", f"{p}.attn.v": "colwise",
+                         f"{p}.attn.out": "rowwise", f"{p}.mlp.up": "colwise", f"{p}.mlp.down": "rowwise"})
+        tied = self.head.weight is self.tok.weight
+        plan["head"] = "replicate" if tied else "colwise_gather"
+        return plan
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)

@@ -31,6 +31,22 @@ class MLP(nn.Module):
             x = block(x)
         return self.head(x)
 
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """Tensor-parallel plan: the Linears in forward order, paired colwise -> rowwise.
+
+        Only an activation stands between the two of a pair, so each rank keeps
+        its slice of the hidden features in between; a leftover last Linear stays whole.
+        """
+        chain = ["inp"] + [f"blocks.{i}.fc" for i in range(len(self.blocks))] + ["head"]
+        plan = {}
+        for a, b in zip(chain[0::2], chain[1::2]):
+            plan[a], plan[b] = "colwise", "rowwise"
+        if len(chain) % 2:
+            plan[chain[-1]] = "replicate"
+        if self.inp.out_features % tp:
+            raise ValueError(f"model.args.hidden={self.inp.out_features} must divide by tp {tp}")
+        return plan
+
 
 def build_mlp(in_features: int = 32, out_features: int = 4, hidden: int = 64, depth: int = 4) -> MLP:
     """The built-in `mlp` model."""

@@ -15,6 +15,7 @@ from parallel.engine import LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.strategies.data import apply_data
 from parallel.strategies.single import apply_single
+from parallel.strategies.tensor import apply_tensor
 
 
 def _local(apply):
@@ -51,6 +52,7 @@ STRATEGIES = {
     "single": _local(apply_single),
     "data": _local(apply_data),
     "pipeline": _pipeline,
+    "model": _local(apply_tensor),
 }
 
 

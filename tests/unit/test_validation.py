@@ -67,7 +67,7 @@ def test_user_model_with_own_init_rule_passes():
 
 
 def test_degrees_message_shows_the_arithmetic():
-    with pytest.raises(ConfigError, match=r"dp 3 x pp 1 = 3 != world size 4"):
+    with pytest.raises(ConfigError, match=r"dp 3 x pp 1 x tp 1 = 3 != world size 4"):
         ParallelDims.from_config(StrategyConfig(name="data", dp=3), 4)
 
 
