@@ -59,8 +59,8 @@ class StrategyConfig:
     balance: str = "time"
     # Tensor-parallel degree (ranks sharing each layer); None derives it from the world size.
     tp: Optional[int] = None
-    # Module-name pattern (with *) -> style name; empty: the built-in model's own plan.
-    tp_plan: Dict[str, str] = field(default_factory=dict)
+    # "pattern:style" entries (pattern over module names, with *); empty: the built-in model's own plan.
+    tp_plan: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -242,7 +242,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if s.name != "data" and s.zero != 0:
         fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data")
     if s.tp_plan and s.name != "model":
-        fail("strategy.tp_plan", dict(s.tp_plan), "a tensor-parallel plan needs strategy=model")
+        fail("strategy.tp_plan", list(s.tp_plan), "a tensor-parallel plan needs strategy=model")
     if s.balance not in BALANCES:
         fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
     resolve(cfg, world_size)

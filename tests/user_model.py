@@ -115,3 +115,22 @@ class Heavy(nn.Module):
 
 def heavy(width: int = 32) -> nn.Module:
     return Heavy(width)
+
+
+class FeedForwards(nn.Module):
+    """Residual-free up/down pairs: a user model sharded by a tp_plan given in the config."""
+
+    def __init__(self, features: int, width: int, out: int, pairs: int):
+        super().__init__()
+        self.pairs = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(features, width), "down": nn.Linear(width, features)})
+                                   for _ in range(pairs))
+        self.head = nn.Linear(features, out)
+
+    def forward(self, x):
+        for pair in self.pairs:
+            x = pair["down"](torch.relu(pair["up"](x)))
+        return self.head(x)
+
+
+def feed_forwards(features: int = 32, width: int = 16, out: int = 4, pairs: int = 2) -> nn.Module:
+    return FeedForwards(features, width, out, pairs)

@@ -2,7 +2,8 @@
 
 A plan maps module names to PyTorch ParallelStyles. Built-in models carry their
 own (`tp_plan(tp)` on the model); a user's model takes one from
-`strategy.tp_plan`, whose keys may use `*` wildcards over module names.
+`strategy.tp_plan`: entries "pattern:style", the pattern matching module names
+with `*` wildcards (e.g. `strategy.tp_plan=[layers.*.up:colwise,layers.*.down:rowwise]`).
 
 Style names:
     colwise         ColwiseParallel: weight split by output features; input
@@ -46,7 +47,7 @@ def resolve_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
     """
     tp = cfg.strategy.tp
     if cfg.strategy.tp_plan:
-        plan = _expand(model, dict(cfg.strategy.tp_plan))
+        plan = _expand(model, _parse(cfg.strategy.tp_plan))
     elif hasattr(model, "tp_plan"):
         try:
             plan = model.tp_plan(tp)
@@ -54,13 +55,24 @@ def resolve_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
             raise ConfigError(f"strategy.tp={tp}: {e}") from None
     else:
         raise ConfigError(
-            f"strategy.tp_plan={{}}: {type(model).__name__} has no tensor-parallel plan; give one, e.g. "
-            "strategy.tp_plan='{\"layers.*.up\": colwise, \"layers.*.down\": rowwise}' "
-            f"(styles: {sorted(STYLES)})")
+            f"strategy.tp_plan=[]: {type(model).__name__} has no tensor-parallel plan; give one, e.g. "
+            f"strategy.tp_plan=[layers.*.up:colwise,layers.*.down:rowwise] (styles: {sorted(STYLES)})")
     for name, style in plan.items():
         if style not in STYLES:
             raise ConfigError(f"strategy.tp_plan[{name!r}]={style!r}: unknown style (valid: {sorted(STYLES)})")
         _check_divisible(model.get_submodule(name), name, style, tp)
+    return plan
+
+
+def _parse(entries: list[str]) -> dict[str, str]:
+    """["pattern:style", ...] -> {pattern: style}."""
+    plan = {}
+    for entry in entries:
+        pattern, sep, style = str(entry).rpartition(":")
+        if not sep or not pattern:
+            raise ConfigError(f"strategy.tp_plan entry {entry!r}: must be 'pattern:style', "
+                              f"e.g. 'layers.*.up:colwise' (styles: {sorted(STYLES)})")
+        plan[pattern.strip()] = style.strip()
     return plan
 
 
