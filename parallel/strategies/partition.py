@@ -156,7 +156,7 @@ def cost_of(block: Block, balance: str, in_flight: int = 1) -> float:
 
 
 def balance(costs: list[float], stages: int, memory: list[int] | None = None,
-            budget: int | None = None) -> list[int]:
+            budget: int | None = None, allowed: set[int] | None = None) -> list[int]:
     """Start index of each stage for contiguous groups minimizing the largest group cost.
 
     Args:
@@ -164,6 +164,7 @@ def balance(costs: list[float], stages: int, memory: list[int] | None = None,
         stages: number of groups (<= len(costs)).
         memory: bytes of each block (when a budget is given).
         budget: the largest memory one stage may need; None for no limit.
+        allowed: block indices a stage may start at (0 always may); None: all.
     Raises:
         ValueError: when no split fits the budget.
     """
@@ -184,11 +185,14 @@ def balance(costs: list[float], stages: int, memory: list[int] | None = None,
             for j in range(s - 1, i):
                 if budget is not None and mprefix[i] - mprefix[j] > budget:
                     continue
+                if j > 0 and allowed is not None and j not in allowed:
+                    continue
                 value = max(best[s - 1][j], prefix[i] - prefix[j])
                 if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
     if best[stages][n] == inf:
-        raise ValueError(f"no split into {stages} stages fits {budget} bytes per stage")
+        why = f"fits {budget} bytes per stage" if budget is not None else "has only floating-point values crossing its boundaries"
+        raise ValueError(f"no split into {stages} stages {why}")
     starts, i = [], n
     for s in range(stages, 0, -1):
         i = cut[s][i]

@@ -8,6 +8,7 @@ gradients are summed over the copies before the step, so the copies stay equal.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -46,9 +47,14 @@ def microbatches(cfg: Config) -> int:
 
 
 def trace(model: nn.Module, example: tuple, starts: list[str]):
-    """Trace `model` (on meta) and cut it before each name in `starts[1:]`."""
+    """Trace `model` (on meta) and cut it before each name in `starts[1:]`.
+
+    Tracing rearranges the module it is given (tied weights above all), so it
+    works on a copy: the model can be traced again, with other cuts.
+    """
     try:
-        return pipeline(model, mb_args=example, split_spec={n: SplitPoint.BEGINNING for n in starts[1:]})
+        return pipeline(copy.deepcopy(model), mb_args=example,
+                        split_spec={n: SplitPoint.BEGINNING for n in starts[1:]})
     except Exception as e:  # torch.export raises many types; all mean "cannot trace"
         raise untraceable(model, e) from None
 
@@ -83,27 +89,18 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
                           f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)})")
     blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if measure else -1)
     in_flight = microbatches(cfg) if schedules.canonical(s.schedule) == "GPipe" else min(microbatches(cfg), s.pp)
+    allowed = _float_boundaries(model, example, names)
     if s.split_points:
-        missing = [p for p in s.split_points if p not in names]
-        if missing:
-            raise ConfigError(f"strategy.split_points={list(s.split_points)}: {missing} name no block where a "
-                              f"stage can begin (valid: {names[1:]})")
-        if len(s.split_points) != n_stages - 1:
-            raise ConfigError(f"strategy.split_points={list(s.split_points)}: {n_stages} stages need "
-                              f"{n_stages - 1} split points")
-        idx = sorted(names.index(p) for p in s.split_points)
-        if idx[0] == 0 or len(set(idx)) != len(idx):
-            raise ConfigError(f"strategy.split_points={list(s.split_points)}: must be distinct and not the "
-                              f"first block '{names[0]}'")
-        starts_idx = [0] + idx
+        starts_idx = _given_starts(s, names, n_stages, allowed)
     else:
         costs = [partition.cost_of(b, s.balance, in_flight) for b in blocks]
         mem = [partition.stage_memory([b], in_flight) for b in blocks]
         budget = _budget(cfg)
         try:
-            starts_idx = partition.balance(costs, n_stages, mem, budget)
+            starts_idx = partition.balance(costs, n_stages, mem, budget, allowed)
         except ValueError as e:
-            raise ConfigError(f"memory.budget={cfg.memory.budget}: {e}") from None
+            key = "memory.budget" if budget is not None else "strategy.pp"
+            raise ConfigError(f"{key}={cfg.memory.budget if budget is not None else s.pp}: {e}") from None
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Measured times differ from rank to rank; every rank must cut the model
         # the same way, so rank 0's choice wins.
@@ -125,6 +122,43 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
                      "time_ms": 1e3 * sum(b.time_s for b in group),
                      "memory_bytes": partition.stage_memory(group, in_flight)})
     return Split(starts, pipe, rows)
+
+
+def _given_starts(s, names: list[str], n_stages: int, allowed: set[int]) -> list[int]:
+    """Block indices of strategy.split_points, checked."""
+    missing = [p for p in s.split_points if p not in names]
+    if missing:
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: {missing} name no block where a "
+                          f"stage can begin (valid: {names[1:]})")
+    if len(s.split_points) != n_stages - 1:
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: {n_stages} stages need "
+                          f"{n_stages - 1} split points")
+    idx = sorted(names.index(p) for p in s.split_points)
+    if idx[0] == 0 or len(set(idx)) != len(idx):
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: must be distinct and not the "
+                          f"first block '{names[0]}'")
+    bad = [names[i] for i in idx if i not in allowed]
+    if bad:
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: at {bad} integer tensors (token ids, "
+                          f"positions) would cross between stages, which PyTorch's stages cannot carry; "
+                          f"cut elsewhere (valid: {[names[i] for i in sorted(allowed)]})")
+    return [0] + idx
+
+
+def _float_boundaries(model: nn.Module, example: tuple, names: list[str]) -> set[int]:
+    """Block indices where a stage may begin: only floating-point tensors cross there.
+
+    PyTorch's stages learn what they receive at the first step by running the
+    forward on placeholder values; integers there (token ids, positions) would
+    be arbitrary and index out of range, and no gradient flows back through
+    them. Found by tracing a split before every block once and reading what
+    flows into each piece (Note [stage chain]).
+    """
+    pipe = trace(model, example, names)
+    if pipe.num_stages != len(names):
+        return set(range(1, len(names)))  # some block is not a call site of its own; let the trace decide
+    shapes = _stage_shapes(chain(pipe), example)
+    return {j for j in range(1, len(names)) if all(t.dtype.is_floating_point for t in shapes[j][0])}
 
 
 def _budget(cfg: Config) -> int | None:
@@ -167,9 +201,23 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
         mod = chained[i]
         retarget(mod, device)
         materialize_and_init(mod, device, cfg.trainer.seed, plan)
+        # Shapes are found at the first step (PyTorch's runtime inference); only
+        # floating-point tensors cross stages (_float_boundaries), which that allows.
         stages.append(PipelineStage(mod, i, len(chained), device, group=pp_group))
         modules.append(mod)
     return stages, modules, _tie(split, mesh, modules, ranks, plan)
+
+
+def _stage_shapes(chained: list[nn.Module], example: tuple) -> list[tuple[tuple, tuple]]:
+    """(inputs, outputs) of every stage for one microbatch, as meta tensors."""
+    shapes, values = [], tuple(example)
+    with torch.no_grad():
+        for gm in chained:  # still on the meta device: nothing is computed
+            out = gm(*values)
+            out = out if isinstance(out, tuple) else (out,)
+            shapes.append((values, out))
+            values = out
+    return shapes
 
 
 def _tie(split: Split, mesh: DeviceMesh, modules: list[nn.Module], ranks: list[int], plan: InitPlan):

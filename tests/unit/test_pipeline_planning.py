@@ -112,3 +112,17 @@ def test_valid_pipeline_config_fills_derived_values():
     validate(cfg, 2)
     s = cfg.strategy
     assert (s.schedule, s.pp, s.dp, s.stages_per_rank, s.microbatches) == ("Interleaved1F1B", 2, 1, 2, 8)
+
+
+def test_split_where_integers_cross_is_refused_and_the_balancer_avoids_it():
+    cfg = _pipeline_cfg(schedule="1F1B", split_points=["pos"])
+    cfg.data.task, cfg.model.name = "lm", "gpt"
+    cfg.model.args = {"vocab_size": 64, "seq_len": 32, "layers": 1}
+    with pytest.raises(ConfigError, match=r"strategy.split_points.*integer tensors"):
+        validate(cfg, 2)
+    from parallel.config import build_meta_model
+    from parallel.strategies.pipeline import plan_split
+
+    cfg.strategy.split_points = []
+    split = plan_split(build_meta_model(cfg.model), cfg, dp=1, measure=False)
+    assert split.starts[1] != "pos"
