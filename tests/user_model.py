@@ -100,12 +100,12 @@ class Branchy(nn.Module):
 
 
 class Heavy(nn.Module):
-    """Nine blocks; the first is four Linears in a row, 4x each other block's cost (for the balancer)."""
+    """A heavy first block (four Linears in a row: 4x the cost) then `light` single Linears (for the balancer)."""
 
-    def __init__(self, width: int = 32):
+    def __init__(self, width: int = 32, light: int = 8):
         super().__init__()
         heavy = nn.Sequential(*(nn.Linear(width, width) for _ in range(4)))
-        self.blocks = nn.ModuleList([heavy] + [nn.Linear(width, width) for _ in range(8)])
+        self.blocks = nn.ModuleList([heavy] + [nn.Linear(width, width) for _ in range(light)])
 
     def forward(self, x):
         for block in self.blocks:
@@ -113,8 +113,8 @@ class Heavy(nn.Module):
         return x
 
 
-def heavy(width: int = 32) -> nn.Module:
-    return Heavy(width)
+def heavy(width: int = 32, light: int = 8) -> nn.Module:
+    return Heavy(width, light)
 
 
 class FeedForwards(nn.Module):

@@ -36,11 +36,12 @@ def _stage_costs(costs, starts):
 
 @pytest.mark.parametrize("balance", ["params", "memory", "time"])
 def test_balancer_evens_out_a_heavy_block_where_equal_layers_do_not(balance):
+    # 4 + 16 x 1: an even split exists (4 + 6 | 10); an equal-layer one (9 | 8 blocks) is 12 | 8.
     with torch.device("meta"):
-        model = Heavy(width=256)
-    example = (torch.zeros(64, 256, device="meta"),)
+        model = Heavy(width=256, light=16)
+    example = (torch.zeros(128, 256, device="meta"),)
     names, inputs = partition.candidates(model, example)
-    assert names == [f"blocks.{i}" for i in range(9)]
+    assert names == [f"blocks.{i}" for i in range(17)]
     blocks = partition.measure(model, names, inputs, repeats=7)
     costs = [partition.cost_of(b, balance) for b in blocks]
     balanced = _stage_costs(costs, partition.balance(costs, 2))
