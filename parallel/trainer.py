@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,11 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
     metrics = Metrics(run_dir, run.is_logger, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     memory = PeakMemory(run.device)
     bar = tqdm(total=t.steps, disable=not (run.is_logger and t.progress), desc="train", leave=False)
+    # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
+    # run; freezing it keeps the cyclic garbage collector from re-scanning it in
+    # the middle of steps.
+    gc.collect()
+    gc.freeze()
     losses, window = [], _Window()
     for step in range(1, t.steps + 1):
         logging_step = step % t.log_every == 0 or step == t.steps
