@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import operator
 
-from torch import fx
+from torch import fx, nn
+from torch.export.unflatten import InterpreterModule
 
 Value = tuple  # (name of the producing node in the split graph, output index or None)
 
@@ -87,6 +88,19 @@ def _rewrite(gm: fx.GraphModule, live_in: list[Value], takes: list[Value], name:
     g.set_codegen(fx.graph.CodeGen())
     g.lint()
     gm.recompile()
+
+
+def compiled(stage: nn.Module) -> None:
+    """Run the traced blocks inside a stage as generated Python code, not through fx.Interpreter.
+
+    The split keeps each block as an export InterpreterModule, whose forward
+    interprets its graph node by node: a per-op Python cost in every forward of
+    every microbatch. Each is already finalized with a generated GraphModule;
+    its (private) `_run_with_interpreter` switch selects that code instead.
+    """
+    for module in stage.modules():
+        if isinstance(module, InterpreterModule) and module.__dict__.get("graph_module") is not None:
+            module._run_with_interpreter = False
 
 
 def retarget(gm: fx.GraphModule, device) -> None:

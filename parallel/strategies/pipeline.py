@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from parallel.config import Config, ConfigError
 from parallel.init import InitPlan, materialize_and_init
 from parallel.strategies import partition, schedules
-from parallel.strategies.chain import chain, retarget
+from parallel.strategies.chain import chain, compiled, retarget
 
 
 @dataclass
@@ -199,6 +199,7 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
+        compiled(mod)
         retarget(mod, device)
         materialize_and_init(mod, device, cfg.trainer.seed, plan)
         # Shapes are found at the first step (PyTorch's runtime inference); only
