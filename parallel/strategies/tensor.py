@@ -108,6 +108,3 @@ def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
     parallelize_module(model, mesh["tp"], styles)
     return model
 
-
-def describe(plan: dict[str, str]) -> str:
-    return ", ".join(f"{name}: {style}" for name, style in plan.items())
