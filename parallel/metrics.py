@@ -30,10 +30,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(message)s"))
     log.addHandler(handler)
-    if rank == 0:
-        console = _TqdmHandler()
-        console.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(console)
+    console_on(rank == 0)
 
 
 def console_on(enabled: bool) -> None:
@@ -140,25 +137,23 @@ def _tb_name(key: str) -> str:
     return f"train/{key}"
 
 
-def gather_floats(values: list[float], group=None) -> list[float]:
-    """Every rank's `values`, concatenated in rank order, on every rank."""
+def _all_gather(values: list, dtype: torch.dtype, group=None) -> list:
+    """Every rank's equally long `values`, concatenated in rank order, on every rank."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=dtype)
     if dist.get_backend(group) == "nccl":
         t = t.cuda()
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t, group=group)
-    return [float(v) for x in out for v in x.tolist()]
+    return [v for x in out for v in x.tolist()]
+
+
+def gather_floats(values: list[float], group=None) -> list[float]:
+    """Every rank's `values`, concatenated in rank order, on every rank."""
+    return [float(v) for v in _all_gather(values, torch.float64, group)]
 
 
 def gather_ints(value: int, group=None) -> list[int]:
-    """Every rank's `value`, in rank order (rank 0 of `group` receives it; others get [])."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [value]
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return [int(x.item()) for x in out]
+    """Every rank's `value`, in rank order, on every rank."""
+    return [int(v) for v in _all_gather([value], torch.int64, group)]
