@@ -1,15 +1,20 @@
 """Pipeline schedules: the framework vs a hand-written loop, and vs the analytic bound.
 
-    python benchmarks/pipeline.py [--pairs 2] [--m 2,4,8,16] [--schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble]
+    python benchmarks/pipeline.py [--pairs 3] [--m 2,4,8,16] [--mb-rows 96]
+                                  [--schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble]
 
 For p=2 ranks and each (schedule, m): the framework (`strategy=pipeline` with
 the same split points) and benchmarks/pp_loop.py (PyTorch's schedule driven by
 hand) run alternately, --pairs times; the step-time ratio is the median of the
-pairs. The analytic bound is (v*m + p - 1) x the slowest stage's time per
-microbatch chunk (v stages per rank), the stage times being the framework's own
-measured compute per stage; it is compared with the whole step (fw/bound) and
-with the schedule's part of it (sched/bound: the step less data, clipping and
-the optimizer). Prints a table, writes benchmarks/results/pipeline.json.
+per-pair ratios. A microbatch has --mb-rows rows whatever m (the global batch is
+m x mb-rows), so the per-microbatch time stays the same as m grows.
+
+The analytic bound is (v*m + p - 1) x t, with v stages per rank and t the
+slowest stage's forward+backward time on one microbatch, measured with the
+stage alone in this process (no pipeline, no communication). It is compared
+with the framework's whole step (fw/bound: with data, clipping and the
+optimizer) and with the schedule's part of it (sched/bound). Prints a table,
+writes benchmarks/results/pipeline.json.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+from benchmarks.pp_loop import stage_times  # noqa: E402
 from parallel.strategies import partition, schedules  # noqa: E402
 
 P = 2
@@ -48,7 +56,7 @@ def framework(a, schedule: str, m: int, run_dir: Path) -> dict:
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), f"nproc={P}", "strategy=pipeline",
            f"strategy.schedule={schedule}", f"strategy.microbatches={m}",
            f"strategy.split_points=[{','.join(names)}]", f"model.args.hidden={a.hidden}",
-           f"model.args.depth={a.depth}", f"trainer.batch_size={a.batch}", f"trainer.steps={a.steps}",
+           f"model.args.depth={a.depth}", f"trainer.batch_size={m * a.mb_rows}", f"trainer.steps={a.steps}",
            f"trainer.log_every={a.steps}", "trainer.progress=false", f"run_dir={run_dir}"]
     subprocess.run(cmd, check=True, capture_output=True, env=_env(), cwd=ROOT)
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
@@ -57,7 +65,7 @@ def framework(a, schedule: str, m: int, run_dir: Path) -> dict:
 def handwritten(a, schedule: str, m: int) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={P}",
            str(ROOT / "benchmarks" / "pp_loop.py"), f"--hidden={a.hidden}", f"--depth={a.depth}",
-           f"--batch={a.batch}", f"--steps={a.steps}", f"--schedule={schedule}", f"--microbatches={m}",
+           f"--batch={m * a.mb_rows}", f"--steps={a.steps}", f"--schedule={schedule}", f"--microbatches={m}",
            f"--starts={','.join(map(str, split(a, schedule)))}"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(), cwd=ROOT).stdout
     return json.loads(out.strip().splitlines()[-1])["step_time_s"]
@@ -65,15 +73,16 @@ def handwritten(a, schedule: str, m: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--m", default="2,4,8,16")
     ap.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--mb-rows", type=int, default=96, help="rows per microbatch")
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
     a = ap.parse_args()
+    torch.set_num_threads(1)  # as each worker runs (OMP_NUM_THREADS=1)
     rows = []
     head = (f"{'schedule':<16} {'m':>3} {'mb ms':>7} {'framework ms':>13} {'hand ms':>9} {'fw/hand':>8} "
             f"{'bound ms':>9} {'fw/bound':>9} {'sched/bound':>11} {'bubble':>7} {'analytic':>8}")
@@ -88,7 +97,7 @@ def main() -> None:
                     fws.append(last["step_time_s"])
                     hands.append(handwritten(a, schedule, m))
                 ratio = statistics.median(f / h for f, h in zip(fws, hands))
-                chunk = max(last["stage_time_s_per_stage"]) / m  # slowest stage, one microbatch
+                chunk = max(stage_times(a.hidden, a.depth, split(a, schedule), a.mb_rows))
                 bound = (v * m + P - 1) * chunk
                 fw = statistics.median(fws)
                 row = {"schedule": schedule, "p": P, "m": m, "stages_per_rank": v, "microbatch_stage_s": chunk,
@@ -96,7 +105,8 @@ def main() -> None:
                        "framework_over_handwritten": ratio, "analytic_bound_s": bound,
                        "framework_over_bound": fw / bound, "schedule_step_s": last["schedule_time_s"],
                        "schedule_over_bound": last["schedule_time_s"] / bound, "bubble_measured": last["bubble_measured"],
-                       "bubble_analytic": last["bubble_analytic"], "pairs": list(zip(fws, hands))}
+                       "bubble_analytic": last["bubble_analytic"],
+                       "stage_time_s_in_run": [t / m for t in last["stage_time_s_per_stage"]], "pairs": list(zip(fws, hands))}
                 rows.append(row)
                 print(f"{schedule:<16} {m:>3} {chunk * 1e3:>7.1f} {fw * 1e3:>13.1f} {row['handwritten_step_s'] * 1e3:>9.1f} "
                       f"{ratio:>8.3f} {bound * 1e3:>9.1f} {fw / bound:>9.3f} {row['schedule_over_bound']:>11.3f} "
@@ -104,7 +114,7 @@ def main() -> None:
                       f"{row['bubble_analytic']:>8.3f}", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=2))
-    print(f"targets: framework / hand-written <= 1.02; framework / bound <= 1.05 where mb ms >= 20")
+    print("targets: fw/hand <= 1.02; sched/bound <= 1.05 where mb ms >= 20 (the bound covers the schedule, not the optimizer step)")
 
 
 if __name__ == "__main__":

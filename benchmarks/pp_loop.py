@@ -24,6 +24,28 @@ def pieces(model) -> list[nn.Module]:
     return [nn.Sequential(model.inp, nn.ReLU()), *model.blocks, model.head]
 
 
+def stage_times(hidden: int, depth: int, starts: list[int], rows: int, reps: int = 7) -> list[float]:
+    """Forward+backward seconds of each stage on one microbatch of `rows`, alone in
+    this process (median of `reps`): the per-microbatch stage time of the analytic bound."""
+    torch.manual_seed(0)
+    blocks = pieces(build_mlp(32, 4, hidden, depth))
+    bounds = starts + [len(blocks)]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        stage = nn.Sequential(*blocks[a:b])
+        x = torch.randn(rows, 32 if a == 0 else hidden, requires_grad=a > 0)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            y = stage(x)
+            (F.mse_loss(y, torch.zeros_like(y)) if b == len(blocks) else y).backward(
+                None if b == len(blocks) else torch.ones_like(y))
+            times.append(time.perf_counter() - t0)
+            stage.zero_grad(set_to_none=True)
+        out.append(sorted(times)[reps // 2])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=1024)

@@ -61,6 +61,9 @@ class StrategyConfig:
     tp: Optional[int] = None
     # "pattern:style" entries (pattern over module names, with *); empty: the built-in model's own plan.
     tp_plan: List[str] = field(default_factory=list)
+    # Shard norms, dropout and the residual stream along the sequence between
+    # tensor-parallel layers (built-in transformer only).
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -187,7 +190,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
     s = cfg.strategy
     dims = ParallelDims.from_config(s, world_size)
     s.dp, s.pp, s.tp = dims.dp, dims.pp, dims.tp
-    if s.name == "pipeline":
+    if pipelined(s):
         name = schedules.canonical(s.schedule)
         if name is None:
             fail("strategy.schedule", s.schedule, "unknown schedule (case-insensitive)", list(schedules.SCHEDULES))
@@ -197,6 +200,16 @@ def resolve(cfg: Config, world_size: int) -> Config:
         if s.microbatches is None:
             s.microbatches = 2 * s.pp * s.stages_per_rank
     return cfg
+
+
+def pipelined(s: StrategyConfig) -> bool:
+    """Whether the model is split into pipeline stages (after `resolve`)."""
+    return s.name == "pipeline" or (s.name == "hybrid" and s.pp is not None and s.pp > 1)
+
+
+def tensor_parallel(s: StrategyConfig) -> bool:
+    """Whether layers are split over tensor-parallel ranks (after `resolve`)."""
+    return s.name == "model" or (s.name == "hybrid" and s.tp is not None and s.tp > 1)
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -239,13 +252,19 @@ def validate(cfg: Config, world_size: int) -> None:
     if s.name == "single" and world_size != 1:
         fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
              "strategy=data or strategy=pipeline for several processes")
-    if s.name != "data" and s.zero != 0:
-        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data")
-    if s.tp_plan and s.name != "model":
-        fail("strategy.tp_plan", list(s.tp_plan), "a tensor-parallel plan needs strategy=model")
+    if s.name not in ("data", "hybrid") and s.zero != 0:
+        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data or strategy=hybrid")
     if s.balance not in BALANCES:
         fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
-    resolve(cfg, world_size)
+    for checked in (False, True):  # by name first; a hybrid's tp degree is known once resolved
+        if s.tp_plan and not (tensor_parallel(s) or (not checked and s.name == "hybrid")):
+            fail("strategy.tp_plan", list(s.tp_plan), "a tensor-parallel plan needs strategy=model, or "
+                 "strategy=hybrid with strategy.tp > 1")
+        if s.sequence_parallel and not (tensor_parallel(s) or (not checked and s.name == "hybrid")):
+            fail("strategy.sequence_parallel", True, "sequence parallelism shards between tensor-parallel "
+                 "layers: it needs strategy=model, or strategy=hybrid with strategy.tp > 1")
+        if not checked:
+            resolve(cfg, world_size)
     per_rank = t.batch_size // s.dp
     if t.batch_size % s.dp:
         fail("trainer.batch_size", t.batch_size,
@@ -255,14 +274,14 @@ def validate(cfg: Config, world_size: int) -> None:
         fail("trainer.grad_accum", t.grad_accum,
              f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
              [d for d in range(1, per_rank + 1) if per_rank % d == 0])
-    if s.name == "pipeline":
+    if pipelined(s):
         _validate_pipeline(cfg, per_rank)
     validate_model(cfg.model)
-    if s.name == "model":
-        from parallel.strategies.tensor import resolve_plan
+    if tensor_parallel(s):
+        from parallel.strategies.tensor import example_input, resolve_plan
 
-        resolve_plan(build_meta_model(cfg.model), cfg)
-    if s.name == "pipeline":
+        resolve_plan(build_meta_model(cfg.model), cfg, example_input(cfg))
+    if pipelined(s):
         from parallel.strategies.pipeline import plan_split
 
         plan_split(build_meta_model(cfg.model), cfg, s.dp, measure=False)  # traces; names bad split points

@@ -28,23 +28,28 @@ class ParallelDims:
         """
         for key in ("dp", "pp", "tp"):
             value = getattr(s, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"strategy.{key}={value!r}: must be an integer >= 1")
-        # Each strategy spreads over one dimension; the others stay 1.
-        spread = {"single": None, "data": "dp", "pipeline": "pp", "model": "tp"}.get(s.name)
         degrees = {"dp": s.dp, "pp": s.pp, "tp": s.tp}
-        for key, value in degrees.items():
-            if key != spread and value not in (None, 1):
-                raise ConfigError(f"strategy.{key}={value}: strategy={s.name} does not use a {key} dimension "
-                                  f"(leave it unset; combining dimensions is not supported yet)")
-            if key != spread:
-                degrees[key] = 1
-        if spread is not None and degrees[spread] is None:
-            degrees[spread] = world_size
+        if s.name == "hybrid":
+            degrees = _derive_hybrid(degrees, world_size)
+            spread = "dp"
+        else:
+            # The other strategies spread over one dimension; the others stay 1.
+            spread = {"single": None, "data": "dp", "pipeline": "pp", "model": "tp"}.get(s.name)
+            for key, value in degrees.items():
+                if key != spread and value not in (None, 1):
+                    raise ConfigError(f"strategy.{key}={value}: strategy={s.name} does not use a {key} dimension "
+                                      f"(leave it unset, or use strategy=hybrid to combine dimensions)")
+                if key != spread:
+                    degrees[key] = 1
+            if spread is not None and degrees[spread] is None:
+                degrees[spread] = world_size
         product = degrees["dp"] * degrees["pp"] * degrees["tp"]
         if product != world_size:
+            label = "strategy=hybrid" if s.name == "hybrid" else f"strategy.{spread or 'dp'}={degrees[spread or 'dp']}"
             raise ConfigError(
-                f"strategy.{spread or 'dp'}={degrees[spread or 'dp']}: the degrees must multiply to the world size: "
+                f"{label}: the degrees must multiply to the world size: "
                 f"dp {degrees['dp']} x pp {degrees['pp']} x tp {degrees['tp']} = {product} != world size "
                 f"{world_size} (leave degrees unset to derive them)")
         return cls(dp=degrees["dp"], pp=degrees["pp"], tp=degrees["tp"], world_size=world_size)
@@ -64,6 +69,29 @@ class ParallelDims:
         and, with torchrun's numbering, on one node where its traffic is heaviest.
         """
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+
+
+def _derive_hybrid(degrees: dict, world_size: int) -> dict:
+    """Fill unset hybrid degrees: one unset degree takes what the others leave of the
+    world size; with several unset, pp and tp default to 1 and dp takes the rest."""
+    unset = [k for k, v in degrees.items() if v is None]
+    if len(unset) > 1:
+        for key in ("pp", "tp"):
+            if degrees[key] is None:
+                degrees[key] = 1
+        unset = ["dp"] if degrees["dp"] is None else []
+    if unset:
+        key = unset[0]
+        rest = 1
+        for k, v in degrees.items():
+            if k != key:
+                rest *= v
+        if world_size % rest:
+            others = " x ".join(f"{k} {v}" for k, v in degrees.items() if k != key)
+            raise ConfigError(f"strategy.{key}=None: {others} = {rest} does not divide the world size "
+                              f"{world_size}, so {key} cannot be derived")
+        degrees[key] = world_size // rest
+    return degrees
 
 
 def device_for_rank(preference: str, local_rank: int) -> torch.device:

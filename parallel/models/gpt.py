@@ -70,21 +70,39 @@ class GPT(nn.Module):
             # One matrix for the input embedding and the output head.
             self.head.weight = self.tok.weight
 
-    def tp_plan(self, tp: int) -> dict[str, str]:
+    def tp_plan(self, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
         """Tensor-parallel plan: q, k, v colwise (each rank a subset of the heads), the
         attention output rowwise; MLP up colwise, down rowwise; the head's vocabulary
         split and gathered for the loss (kept whole when tied to the embedding).
-        Embeddings and norms stay whole."""
+        Embeddings stay whole.
+
+        With sequence parallelism the residual stream between blocks holds each
+        rank's shard of the sequence: the first block cuts it, norms run on the
+        shards, attention and MLP gather it on entry and their rowwise outputs
+        reduce-scatter back into shards, and the head gathers it at the end.
+        """
         heads, dim = self.blocks[0].attn.heads, self.tok.embedding_dim
         if heads % tp:
             raise ValueError(f"model.args.heads={heads} must divide by tp {tp}")
+        if sequence_parallel and self.pos.num_embeddings % tp:
+            raise ValueError(f"data.seq_len={self.pos.num_embeddings} must divide by tp {tp} "
+                             f"for sequence parallelism")
+        row = "rowwise_seq" if sequence_parallel else "rowwise"
         plan = {}
         for i in range(len(self.blocks)):
             p = f"blocks.{i}"
             plan.update({f"{p}.attn.q": "colwise", f"{p}.attn.k": "colwise", f"{p}.attn.v": "colwise",
-                         f"{p}.attn.out": "rowwise", f"{p}.mlp.up": "colwise", f"{p}.mlp.down": "rowwise"})
+                         f"{p}.attn.out": row, f"{p}.mlp.up": "colwise", f"{p}.mlp.down": row})
+            if sequence_parallel:
+                plan.update({f"{p}.norm1": "sequence", f"{p}.norm2": "sequence", f"{p}.attn": "seq_gather",
+                             f"{p}.mlp": "seq_gather"})
         tied = self.head.weight is self.tok.weight
-        plan["head"] = "replicate" if tied else "colwise_gather"
+        if sequence_parallel:
+            plan["blocks.0"] = "seq_split"
+            plan["norm"] = "sequence"
+            plan["head"] = "seq_gather" if tied else "colwise_seq_gather"
+        else:
+            plan["head"] = "replicate" if tied else "colwise_gather"
         return plan
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

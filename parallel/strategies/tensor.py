@@ -14,53 +14,164 @@ Style names:
                     last layer whose full output the loss needs.
     sequence        SequenceParallel: norms and dropout on sequence shards.
     replicate       leave the module whole on every rank.
+Sequence parallelism (`strategy.sequence_parallel=true`) adds styles that move
+activations between sequence shards (dimension 1) and whole tensors:
+    seq_split       the module's input is cut into this rank's sequence shard.
+    seq_gather      the module's input is gathered from sequence shards (all-gather).
+    rowwise_seq     RowwiseParallel whose output is reduce-scattered into sequence shards.
+    colwise_seq_gather  ColwiseParallel taking sequence shards, output gathered.
 A colwise layer must feed a rowwise one through elementwise ops only (an
 activation), so that each rank's shard of features stays its own.
+
+Without a plan, one is inferred (`infer_plan`): Linears called one right after
+the other, with only elementwise ops between them and matching widths, become
+colwise -> rowwise pairs.
 """
 from __future__ import annotations
 
 import fnmatch
+import inspect
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.config import Config, ConfigError
 
+SEQ = Shard(1)  # activations are (batch, sequence, features)
 STYLES = {
     "colwise": lambda: ColwiseParallel(),
     "rowwise": lambda: RowwiseParallel(),
     "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
     "sequence": lambda: SequenceParallel(),
     "replicate": None,
+    "seq_split": lambda: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(SEQ,),
+                                            use_local_output=True),
+    "seq_gather": lambda: PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True),
+    "rowwise_seq": lambda: RowwiseParallel(output_layouts=SEQ),
+    "colwise_seq_gather": lambda: ColwiseParallel(input_layouts=SEQ, output_layouts=Replicate()),
 }
+SHARDS_OUTPUT = ("colwise", "colwise_gather", "colwise_seq_gather")
+SHARDS_INPUT = ("rowwise", "rowwise_seq")
 
 
-def resolve_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
-    """Module name -> style name, from strategy.tp_plan or the model's own plan; checked.
+def resolve_plan(model: nn.Module, cfg: Config, example: tuple = ()) -> dict[str, str]:
+    """Module name -> style name, from strategy.tp_plan, the model's own plan, or inferred; checked.
+
+    Args:
+        model: the unpartitioned model on the meta device.
+        cfg: the run config (strategy.tp, tp_plan, sequence_parallel).
+        example: meta inputs of one batch, to infer a plan from the forward.
 
     Raises:
         ConfigError: unknown style, a pattern matching no module, a width that does
             not divide by tp, or a model without a plan.
     """
-    tp = cfg.strategy.tp
+    tp, sp = cfg.strategy.tp, cfg.strategy.sequence_parallel
     if cfg.strategy.tp_plan:
         plan = _expand(model, _parse(cfg.strategy.tp_plan))
     elif hasattr(model, "tp_plan"):
+        takes_sp = "sequence_parallel" in inspect.signature(model.tp_plan).parameters
+        if sp and not takes_sp:
+            raise ConfigError(f"strategy.sequence_parallel=true: {type(model).__name__} has no sequence-parallel "
+                              f"plan (give strategy.tp_plan with the seq_* styles, or set it false)")
         try:
-            plan = model.tp_plan(tp)
+            plan = model.tp_plan(tp, sequence_parallel=sp) if takes_sp else model.tp_plan(tp)
         except ValueError as e:
             raise ConfigError(f"strategy.tp={tp}: {e}") from None
     else:
-        raise ConfigError(
-            f"strategy.tp_plan=[]: {type(model).__name__} has no tensor-parallel plan; give one, e.g. "
-            f"strategy.tp_plan=[layers.*.up:colwise,layers.*.down:rowwise] (styles: {sorted(STYLES)})")
+        if sp:
+            raise ConfigError("strategy.sequence_parallel=true: an inferred plan has no sequence parallelism; "
+                              "give strategy.tp_plan with the seq_* styles")
+        plan = infer_plan(model, example)
     for name, style in plan.items():
         if style not in STYLES:
             raise ConfigError(f"strategy.tp_plan[{name!r}]={style!r}: unknown style (valid: {sorted(STYLES)})")
         _check_divisible(model.get_submodule(name), name, style, tp)
+    return plan
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops run, between markers the Linear hooks drop in."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.events.append(("op", func))
+        return func(*args, **(kwargs or {}))
+
+
+# Elementwise in effect although not tagged pointwise.
+_ALSO_ELEMENTWISE = {"aten::native_dropout", "aten::dropout", "aten::clone", "aten::detach", "aten::_to_copy"}
+
+
+def _elementwise(func) -> bool:
+    return torch.Tag.pointwise in func.tags or func._schema.name in _ALSO_ELEMENTWISE
+
+
+def infer_plan(model: nn.Module, example: tuple) -> dict[str, str]:
+    """Pair Linears for tensor parallelism by running the forward once on meta tensors.
+
+    A pair is a Linear A whose output goes, through elementwise ops only (an
+    activation, dropout), straight into the next Linear called, B, with B's
+    input width equal to A's output width; A becomes colwise and B rowwise, so
+    each rank keeps its slice of A's features all the way to B. Linears called
+    more than once per forward are left whole, as is every unpaired one.
+
+    Raises:
+        ConfigError: no pair was found (the model needs an explicit plan).
+    """
+    linears = {m: n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    events: list = []
+    shapes: dict[str, tuple] = {}
+
+    def pre(mod, args):
+        events.append(("start", linears[mod]))
+        shapes.setdefault(linears[mod] + ":in", tuple(args[0].shape))
+
+    def post(mod, args, out):
+        events.append(("end", linears[mod]))
+        shapes.setdefault(linears[mod] + ":out", tuple(out.shape))
+
+    handles = [m.register_forward_pre_hook(pre) for m in linears] + [m.register_forward_hook(post) for m in linears]
+    try:
+        with torch.no_grad(), _Ops(events):
+            model(*example)
+    except Exception as e:  # the model's own error, on meta tensors
+        raise ConfigError(f"strategy.tp_plan=[]: could not run {type(model).__name__} to infer a plan "
+                          f"({type(e).__name__}: {e}); give strategy.tp_plan") from None
+    finally:
+        for h in handles:
+            h.remove()
+    calls: dict[str, int] = {}
+    for kind, what in events:
+        if kind == "start":
+            calls[what] = calls.get(what, 0) + 1
+    plan: dict[str, str] = {}
+    last_end, between = None, True  # the Linear that ended last, and whether only elementwise ops followed
+    for kind, what in events:
+        if kind == "end":
+            last_end, between = what, True
+        elif kind == "op":
+            between = between and _elementwise(what)
+        elif kind == "start":
+            a, b = last_end, what
+            if (a is not None and between and a not in plan and calls.get(a) == 1 and calls.get(b) == 1
+                    and shapes[a + ":out"] == shapes[b + ":in"]):
+                plan[a], plan[b] = "colwise", "rowwise"
+            last_end = None
+    if not plan:
+        raise ConfigError(
+            f"strategy.tp_plan=[]: {type(model).__name__} has no tensor-parallel plan and none could be inferred "
+            f"(no Linear feeds the next through elementwise ops only); give one, e.g. "
+            f"strategy.tp_plan=[layers.*.up:colwise,layers.*.down:rowwise] (styles: {sorted(STYLES)})")
     return plan
 
 
@@ -90,21 +201,53 @@ def _expand(model: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
 
 
 def _check_divisible(module: nn.Module, name: str, style: str, tp: int) -> None:
-    if style in ("colwise", "colwise_gather", "rowwise"):
+    if style in SHARDS_OUTPUT + SHARDS_INPUT:
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise ConfigError(f"strategy.tp_plan[{name!r}]={style!r}: {style} shards nn.Linear or nn.Embedding, "
                               f"not {type(module).__name__}")
-        width = module.weight.shape[0 if style != "rowwise" else 1]
+        dim = 1 if style in SHARDS_INPUT else 0
+        if isinstance(module, nn.Embedding):
+            dim = 1 - dim  # an Embedding's weight is (rows, features): colwise splits features
+        width = module.weight.shape[dim]
         if width % tp:
-            what = "output" if style != "rowwise" else "input"
+            what = "input" if style in SHARDS_INPUT else "output"
             raise ConfigError(f"strategy.tp={tp}: {name} has {width} {what} features, which do not divide "
                               f"by tp {tp} ({style})")
 
 
+def example_input(cfg: Config) -> tuple:
+    """Meta inputs of a small batch, as the data source hands them to the model."""
+    d = cfg.data
+    if d.task == "lm":
+        return (torch.zeros(2, d.seq_len, dtype=torch.long, device="meta"),)
+    return (torch.zeros(2, d.features, device="meta"),)
+
+
+def tensor_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
+    """The checked plan for `model` (on meta); an inferred one is printed."""
+    from parallel.metrics import log
+
+    plan = resolve_plan(model, cfg, example_input(cfg))
+    if not cfg.strategy.tp_plan and not hasattr(model, "tp_plan"):
+        log.info("inferred tensor-parallel plan (set strategy.tp_plan to change it): %s",
+                 ", ".join(f"{n}:{s}" for n, s in plan.items()))
+    return plan
+
+
+def shard(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """Apply the plan's styles to `module` (on meta) over the mesh's `tp` dimension, in place.
+
+    Names in the plan that `module` does not hold are skipped: a pipeline stage
+    takes the entries for its own layers.
+    """
+    held = {n for n, _ in module.named_modules()}
+    styles = {n: STYLES[s]() for n, s in plan.items() if STYLES[s] is not None and n in held}
+    if styles:
+        parallelize_module(module, mesh["tp"], styles)
+
+
 def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
     """Shard `model` (on meta) over the mesh's `tp` dimension by its plan, in place."""
-    plan = resolve_plan(model, cfg)
-    styles = {name: STYLES[style]() for name, style in plan.items() if STYLES[style] is not None}
-    parallelize_module(model, mesh["tp"], styles)
+    shard(model, mesh, tensor_plan(model, cfg))
     return model
 

@@ -1,9 +1,11 @@
 """Tensor-parallel plans: built-in, from config, and the errors for bad ones."""
 import pytest
+import torch
+from torch import nn
 
 from parallel.config import Config, ConfigError, validate
 from parallel.models import MODELS
-from parallel.strategies.tensor import resolve_plan
+from parallel.strategies.tensor import infer_plan, resolve_plan
 
 
 def _cfg(model="mlp", args=None, target=None, plan=(), tp=2) -> Config:
@@ -66,4 +68,36 @@ def test_plan_needs_strategy_model():
     cfg = _cfg(plan=["inp:colwise"])
     cfg.strategy.name = "data"
     with pytest.raises(ConfigError, match="strategy.tp_plan"):
+        validate(cfg, 2)
+
+
+class _Gated(nn.Module):
+    """up -> softmax -> down -> a -> gelu -> b: softmax mixes features, so up and down must not be
+    paired; down feeds a directly, so they pair, which leaves b whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = self.down(torch.softmax(self.up(x), dim=-1))
+        return self.b(torch.nn.functional.gelu(self.a(x)) * 2)
+
+
+def test_inferred_plan_pairs_linears_joined_by_elementwise_ops_only():
+    from tests.user_model import feed_forwards
+
+    with torch.device("meta"):
+        plan = infer_plan(feed_forwards(), (torch.zeros(2, 32, device="meta"),))
+        gated = infer_plan(_Gated(), (torch.zeros(2, 8, device="meta"),))
+    assert plan == {"pairs.0.up": "colwise", "pairs.0.down": "rowwise", "pairs.1.up": "colwise",
+                    "pairs.1.down": "rowwise"}
+    assert gated == {"down": "colwise", "a": "rowwise"}
+
+
+def test_sequence_parallel_needs_a_model_with_a_sequence_plan():
+    cfg = _cfg(args={"in_features": 32, "out_features": 4, "hidden": 64})
+    cfg.strategy.sequence_parallel = True
+    with pytest.raises(ConfigError, match="strategy.sequence_parallel"):
         validate(cfg, 2)
