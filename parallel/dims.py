@@ -72,14 +72,26 @@ class ParallelDims:
 
 
 def _derive_hybrid(degrees: dict, world_size: int) -> dict:
-    """Fill unset hybrid degrees: one unset degree takes what the others leave of the
-    world size; with several unset, pp and tp default to 1 and dp takes the rest."""
+    """Fill unset hybrid degrees.
+
+    One unset degree takes what the others leave of the world size. With dp
+    unset among several, the other unset ones are 1 and dp takes the rest. With
+    dp set and both pp and tp unset, the split of the rest is the user's to say.
+    """
     unset = [k for k, v in degrees.items() if v is None]
     if len(unset) > 1:
-        for key in ("pp", "tp"):
-            if degrees[key] is None:
-                degrees[key] = 1
-        unset = ["dp"] if degrees["dp"] is None else []
+        if degrees["dp"] is not None:
+            if degrees["dp"] != world_size:
+                raise ConfigError(f"strategy.pp=None, strategy.tp=None: dp {degrees['dp']} leaves "
+                                  f"{world_size / degrees['dp']:g} of the world size {world_size} to pipeline and "
+                                  f"tensor parallelism; set strategy.pp or strategy.tp")
+            unset = ["pp"]
+            degrees["tp"] = 1
+        else:
+            for key in ("pp", "tp"):
+                if degrees[key] is None:
+                    degrees[key] = 1
+            unset = ["dp"]
     if unset:
         key = unset[0]
         rest = 1

@@ -48,26 +48,49 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.opti
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm (clipped to `max_norm` when > 0), right across shards.
+    """The global gradient norm of `model` (clipped to `max_norm` when > 0); see `clip_grads`."""
+    return clip_grads([p.grad for p in model.parameters() if p.grad is not None], max_norm)
 
-    Sharded gradients (DTensors: FSDP, tensor parallel) and whole ones are
-    normed apart: torch's norm of a sharded gradient is a partial DTensor, made
-    whole here, so every rank clips by the same factor and the reported norm
-    equals the single-device one. A whole gradient is the same on every rank.
+
+@torch.no_grad()
+def clip_grads(grads: list[torch.Tensor], max_norm: float, counted: list[torch.Tensor] | None = None,
+               sum_group=None) -> torch.Tensor:
+    """The global gradient norm, right across every mesh dimension; grads clipped by it when max_norm > 0.
+
+    Gradients are normed in groups: whole tensors together, DTensors by their
+    mesh (FSDP shards over dp, tensor-parallel pieces over tp or over both).
+    torch's norm of a DTensor group is a partial DTensor, made whole over its
+    mesh here, so every rank clips by the same factor and the norm equals the
+    single-device one.
+
+    Args:
+        grads: this rank's gradients.
+        counted: the gradients that count toward the norm (default: `grads`);
+            a pipeline leaves out the extra copies of a weight tied across stages.
+        sum_group: a process group whose ranks hold different gradients (the
+            pipeline stages); their squared norms are summed over it.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    groups = [[g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]]
-    squares = []
-    for group in groups:
-        if group:
-            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
-            squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    norm = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    counted = grads if counted is None else counted
+    device = grads[0].device if grads else torch.device("cpu")
+    square = torch.zeros((), device=device)
+    for group in _by_mesh(counted):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        square = square + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+    if sum_group is not None and dist.get_world_size(sum_group) > 1:
+        dist.all_reduce(square, group=sum_group)
+    norm = square.sqrt()
     if max_norm > 0:
-        for group in groups:
-            if group:
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        for group in _by_mesh(grads):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Whole tensors in one group, DTensors in one group per mesh."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    return list(groups.values())
 
 
 def all_mean(value: torch.Tensor, group=None) -> torch.Tensor:

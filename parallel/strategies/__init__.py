@@ -31,28 +31,23 @@ def _local(apply):
 
 
 def _pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
-    from parallel.metrics import log
-    from parallel.strategies.pipeline import PipelineEngine, build_stages, format_split, plan_split
+    from parallel.strategies.pipeline import build_pipeline
 
-    split = plan_split(model, cfg, mesh["dp"].size())
-    log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
-             format_split(split))
-    stages, modules, tied = build_stages(split, mesh, cfg, device, plan)
-    groups: dict[str, list[str]] = {}
-    for name, (_, _, canonical) in plan.items():
-        groups.setdefault(canonical, []).append(name)
-    tied_names = [names for names in groups.values() if len(names) > 1]
-    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss_fn(cfg.data.task), tied_names)
+    return build_pipeline(model, mesh, cfg, device, plan)
 
 
-# Order, for strategies that compose (hybrid): pipeline split -> tensor plan ->
-# activation checkpointing -> FSDP/DDP -> offload. Data parallelism wraps last
-# because it shards or replicates whatever parameters the earlier steps left.
+def _hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+    from parallel.strategies.hybrid import parallelize as parallelize_hybrid
+
+    return parallelize_hybrid(model, mesh, cfg, device, plan)
+
+
 STRATEGIES = {
     "single": _local(apply_single),
     "data": _local(apply_data),
     "pipeline": _pipeline,
     "model": _local(apply_tensor),
+    "hybrid": _hybrid,  # the order it applies the pieces in: parallel.strategies.hybrid
 }
 
 

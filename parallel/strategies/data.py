@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from parallel.config import Config
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a model: the children of its ModuleLists."""
     return [m for child in model.modules() if isinstance(child, nn.ModuleList) for m in child]
 
@@ -33,7 +33,7 @@ def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
     reshard = cfg.strategy.zero == 3
     # One FSDP unit per block so that only one block's parameters are gathered at
     # a time, then the root for what is left (embeddings, head, norms).
-    for block in _blocks(model):
+    for block in blocks_of(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
     return model

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.distributed.tensor import DTensor
 
 from parallel.config import Config, ConfigError
 from parallel.init import InitPlan, materialize_and_init
+from parallel.optim import clip_grads
 from parallel.strategies import partition, schedules
 from parallel.strategies.chain import chain, compiled, retarget
 
@@ -31,6 +33,7 @@ class Split:
     starts: list[str]
     pipe: object
     rows: list[dict] = field(default_factory=list)
+    blocks: list[str] = field(default_factory=list)  # every candidate block, in forward order
 
 
 def example_microbatch(cfg: Config, dp: int, device="meta") -> tuple:
@@ -121,7 +124,7 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
                      "blocks": len(group), "params": sum(b.params for b in group),
                      "time_ms": 1e3 * sum(b.time_s for b in group),
                      "memory_bytes": partition.stage_memory(group, in_flight)})
-    return Split(starts, pipe, rows)
+    return Split(starts, pipe, rows, names)
 
 
 def _given_starts(s, names: list[str], n_stages: int, allowed: set[int]) -> list[int]:
@@ -185,8 +188,39 @@ class TiedCopy:
     owner: bool  # this rank's first copy is the one counted in the gradient norm
 
 
-def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
-    """Materialize this rank's stages; returns (stage objects, their modules, tied copies)."""
+def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan,
+                   transform=None) -> "PipelineEngine":
+    """Split `model` (on meta) into stages over the mesh's pp dimension; return this rank's engine.
+
+    Args:
+        transform: `(stage, blocks) -> None`, applied to each of this rank's
+            stages (on meta, the model's own block modules swapped in) before
+            it is materialized: how strategy=hybrid adds tensor and data
+            parallelism. None keeps the traced stages as they are.
+    """
+    from parallel.data.synthetic import loss_fn
+    from parallel.metrics import log
+
+    split = plan_split(model, cfg, mesh["dp"].size())
+    log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
+             format_split(split))
+    stages, modules, tied = build_stages(split, mesh, cfg, device, plan, model if transform else None, transform)
+    groups: dict[str, list[str]] = {}
+    for name, (_, _, canonical) in plan.items():
+        groups.setdefault(canonical, []).append(name)
+    tied_names = [names for names in groups.values() if len(names) > 1]
+    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss_fn(cfg.data.task), tied_names)
+
+
+def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan,
+                 model: nn.Module | None = None, transform=None):
+    """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
+
+    With `model` and `transform` (strategy=hybrid), each stage gets the model's
+    own block modules in place of the traced ones, then `transform(stage, blocks)`.
+    """
+    from parallel.strategies.hybrid import eager_blocks
+
     s = cfg.strategy
     pp_mesh = mesh["pp"]
     pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
@@ -199,14 +233,37 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
+        _drop_unused(mod, split.blocks)
         compiled(mod)
         retarget(mod, device)
+        if transform is not None:
+            transform(mod, eager_blocks(mod, model, split.blocks))
         materialize_and_init(mod, device, cfg.trainer.seed, plan)
         # Shapes are found at the first step (PyTorch's runtime inference); only
         # floating-point tensors cross stages (_float_boundaries), which that allows.
         stages.append(PipelineStage(mod, i, len(chained), device, group=pp_group))
         modules.append(mod)
     return stages, modules, _tie(split, mesh, modules, ranks, plan)
+
+
+def _drop_unused(stage: fx.GraphModule, names: list[str]) -> None:
+    """Remove blocks that a traced stage holds but never uses.
+
+    The trace leaves a copy of a weight tied across stages (an output head tied
+    to the embedding) in the first stage as well, under the head's name; that
+    copy would be materialized, counted and saved without ever being trained.
+    """
+    used = {n.target for n in stage.graph.nodes if n.op in ("call_module", "get_attr")}
+    for name in names:
+        if any(u == name or u.startswith(name + ".") for u in used):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        try:
+            holder = stage.get_submodule(parent) if parent else stage
+        except AttributeError:
+            continue
+        if leaf in holder._modules:
+            delattr(holder, leaf)
 
 
 def _stage_shapes(chained: list[nn.Module], example: tuple) -> list[tuple[tuple, tuple]]:
@@ -290,14 +347,16 @@ class PipelineEngine:
 
     def _sum_tied_grads(self) -> None:
         for t in self.tied:
-            grads = [p.grad for p in t.params if p.grad is not None]
+            # Every copy is placed alike (same tensor and data parallel layout at
+            # the same mesh position), so summing the local pieces sums the whole.
+            grads = [_local(p.grad) for p in t.params if p.grad is not None]
             if not grads:
                 continue
             total = torch.stack(grads).sum(0)
             if t.group is not None:
                 dist.all_reduce(total, group=t.group)
-            for p in t.params:
-                p.grad = total.clone()
+            for g in grads:
+                g.copy_(total)
 
     @torch.no_grad()
     def clip(self, max_norm: float) -> torch.Tensor:
@@ -305,12 +364,7 @@ class PipelineEngine:
         skip = {id(p) for t in self.tied for i, p in enumerate(t.params) if not (t.owner and i == 0)}
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         counted = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in skip]
-        sq = sum((g.float().pow(2).sum() for g in counted), torch.zeros((), device=grads[0].device if grads else "cpu"))
-        dist.all_reduce(sq, group=self.pp_group)
-        norm = sq.sqrt()
-        if max_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
-        return norm
+        return clip_grads(grads, max_norm, counted=counted, sum_group=self.pp_group)
 
     def full_state_dict(self) -> dict:
         """Every stage's tensors under their original names, gathered on global rank 0.
@@ -318,7 +372,9 @@ class PipelineEngine:
         A weight tied across stages appears under each of its names, as in the
         unpartitioned model's state dict.
         """
-        local = {k: v.detach().cpu() for m in self.model for k, v in m.state_dict().items()}
+        # A DTensor (tensor or data parallel piece) is gathered whole over its own mesh first.
+        local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                 for m in self.model for k, v in m.state_dict().items()}
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(local, parts, dst=0)
         if dist.get_rank() != 0:
@@ -357,6 +413,10 @@ class PipelineEngine:
                 "stage_imbalance": max(totals) / mean if mean > 0 else 1.0,
                 "schedule_time_s": self.step_time,
                 "stage_time_s_per_stage": totals}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _time_compute(stage, engine: PipelineEngine) -> None:

@@ -33,6 +33,14 @@ BAD = [
     ({"strategy__name": "single", "strategy__zero": 3}, 1, "strategy.zero"),
     ({"strategy__name": "data", "trainer__batch_size": 33}, 2, "trainer.batch_size"),
     ({"strategy__name": "data", "strategy__dp": 3}, 2, "strategy.dp"),
+    ({"strategy__name": "hybrid", "strategy__dp": 2, "strategy__pp": 2, "strategy__tp": 2}, 4, "strategy=hybrid"),
+    ({"strategy__name": "hybrid", "strategy__pp": 3, "strategy__tp": 1}, 4, "strategy.dp"),  # cannot derive
+    ({"strategy__name": "hybrid", "strategy__dp": 2}, 8, "strategy.pp"),  # pp x tp = 4: which?
+    ({"strategy__name": "hybrid", "strategy__tp": 1, "strategy__tp_plan": ["inp:colwise"]}, 2, "strategy.tp_plan"),
+    ({"strategy__name": "hybrid", "strategy__sequence_parallel": True}, 2, "strategy.sequence_parallel"),
+    ({"strategy__name": "hybrid", "strategy__tp": 3}, 3, "strategy.tp"),  # hidden 64 over tp 3
+    ({"strategy__name": "hybrid", "strategy__pp": 2, "strategy__microbatches": 3}, 4, "strategy.microbatches"),
+    ({"strategy__name": "model", "strategy__zero": 2}, 2, "strategy.zero"),
     ({"data__task": "vision"}, 1, "data.task"),
     ({"data__features": -3}, 1, "data.features"),
     ({"optim__lr": 0.0}, 1, "optim.lr"),
@@ -69,6 +77,20 @@ def test_user_model_with_own_init_rule_passes():
 def test_degrees_message_shows_the_arithmetic():
     with pytest.raises(ConfigError, match=r"dp 3 x pp 1 x tp 1 = 3 != world size 4"):
         ParallelDims.from_config(StrategyConfig(name="data", dp=3), 4)
+    with pytest.raises(ConfigError, match=r"dp 2 x pp 2 x tp 2 = 8 != world size 4"):
+        ParallelDims.from_config(StrategyConfig(name="hybrid", dp=2, pp=2, tp=2), 4)
+
+
+@pytest.mark.parametrize("given,derived", [
+    (dict(), (8, 1, 1)),  # all unset: dp takes the world
+    (dict(tp=2), (4, 1, 2)),
+    (dict(dp=2, tp=2), (2, 2, 2)),  # the one unset degree takes the rest
+    (dict(dp=2, pp=4), (2, 4, 1)),
+    (dict(dp=8), (8, 1, 1)),
+])
+def test_hybrid_derives_unset_degrees(given, derived):
+    dims = ParallelDims.from_config(StrategyConfig(name="hybrid", **given), 8)
+    assert (dims.dp, dims.pp, dims.tp) == derived
 
 
 @pytest.mark.parametrize("text,value", [("512MB", 512 * 10**6), ("1.5GiB", int(1.5 * 2**30)),

@@ -1,0 +1,99 @@
+"""strategy=hybrid: data x pipeline x tensor parallelism on one named DeviceMesh.
+
+The mesh is (dp, pp, tp), tp innermost (parallel.dims). `parallelize` applies
+the pieces in a fixed order, each one working on what the one before left:
+
+  1. pipeline split (pp > 1): the model is traced and cut into stages; this
+     rank keeps its stages. The traced blocks are swapped back for the model's
+     own modules (`eager_blocks`), so the next steps see real nn.Linear layers
+     and the model's own forward code.
+  2. tensor plan (tp > 1): each kept module's layers are split over the tp
+     ranks by the plan (parallel.strategies.tensor); a stage takes the entries
+     for its own layers.
+  3. data parallelism (dp > 1): FSDP2 over the dp dimension, composed with the
+     tensor-parallel DTensors as PyTorch recommends: one unit per block, then
+     the root. zero=0 replicates (FSDP2's replicate: gradients all-reduced);
+     zero=2 shards gradients and optimizer state, keeping parameters gathered
+     from forward to backward; zero=3 shards parameters too. FSDP2 cannot shard
+     optimizer state alone, so zero=1 runs as zero=2 (which saves more memory).
+  4. materialization: every piece is allocated and initialized by name
+     (Note [initialization by name]), so the run starts from the single-device
+     weights whatever the mesh.
+
+Data parallelism replicates whole pipelines: the ranks sharing a (pp, tp)
+position hold the same piece and average their gradients.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import fx, nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from parallel.config import Config
+from parallel.data.synthetic import loss_fn
+from parallel.engine import LocalEngine
+from parallel.init import InitPlan, materialize_and_init
+from parallel.strategies.data import blocks_of
+from parallel.strategies.tensor import shard, tensor_plan
+
+
+# A tensor-parallel layer hands its output on as a view of a DTensor's local
+# piece, which FSDP2 warns about in case the caller changes it in place; the
+# engines never do (the loss reads it out of place).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, zero: int) -> None:
+    """Step 3: FSDP2 units over the mesh's dp dimension, one per block, then `module` itself."""
+    dp_mesh = mesh["dp"]
+    if zero == 0:
+        wrap = lambda m: replicate(m, mesh=dp_mesh)  # noqa: E731
+    else:
+        wrap = lambda m: fully_shard(m, mesh=dp_mesh, reshard_after_forward=zero == 3)  # noqa: E731
+    for block in blocks:
+        wrap(block)
+    wrap(module)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+    """Apply steps 1-4 to `model` (on the meta device) and return this rank's engine."""
+    s = cfg.strategy
+    tp_plan = tensor_plan(model, cfg) if s.tp > 1 else {}
+
+    def pieces(module: nn.Module, blocks: list[nn.Module]) -> None:  # steps 2 and 3, on one module
+        if s.tp > 1:
+            shard(module, mesh, tp_plan)
+        if s.dp > 1:
+            data_parallel(module, blocks, mesh, s.zero)
+
+    if s.pp > 1:
+        from parallel.strategies.pipeline import build_pipeline
+
+        return build_pipeline(model, mesh, cfg, device, plan, transform=pieces)
+    pieces(model, blocks_of(model))
+    materialize_and_init(model, device, cfg.trainer.seed, plan)
+    return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), device)
+
+
+def eager_blocks(stage: fx.GraphModule, model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """Put the model's own modules in place of the traced copies of the blocks `stage` calls.
+
+    The traced stage calls each block as a submodule with the arguments the
+    forward gave it, so the model's module is a drop-in replacement; tensor
+    parallel styles need it (they shard nn.Linear and nn.Embedding, and the
+    model's code reads shapes at run time where the trace fixed them). The
+    blocks are copied together, so weights shared between them stay shared.
+    Returns the swapped-in blocks.
+    """
+    called = {n.target for n in stage.graph.nodes if n.op == "call_module"}
+    held = [n for n in names if n in called]
+    originals = copy.deepcopy(nn.ModuleList(model.get_submodule(n) for n in held))
+    for name, original in zip(held, originals):
+        parent, _, leaf = name.rpartition(".")
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, original)
+    return list(originals)

@@ -1,0 +1,80 @@
+"""strategy=hybrid (data x pipeline x tensor on one mesh) trains to the same numbers as strategy=single."""
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import cli
+
+MLP = ["model.args.hidden=32"]
+GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16",
+       "model.args.layers=2"]
+TIED = GPT + ["model.args.tie_embeddings=true"]
+
+# name -> (model args, hybrid args, processes)
+CASES = {
+    "dp2_tp2_zero0": (MLP, ["strategy.dp=2", "strategy.tp=2", "strategy.zero=0"], 4),
+    "dp2_tp2_zero3_gpt": (GPT, ["strategy.dp=2", "strategy.tp=2", "strategy.zero=3"], 4),
+    "dp2_pp2": (MLP, ["strategy.dp=2", "strategy.pp=2"], 4),
+    "dp2_pp2_zero3_tied": (TIED, ["strategy.dp=2", "strategy.pp=2", "strategy.zero=3"], 4),
+    "pp2_tp2_tied_sequence_parallel": (TIED, ["strategy.pp=2", "strategy.tp=2",
+                                              "strategy.sequence_parallel=true"], 4),
+    "dp2_pp2_tp2_zero3": (MLP, ["strategy.dp=2", "strategy.pp=2", "strategy.tp=2", "strategy.zero=3"], 8),
+}
+
+
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    """The single-process reference of each model, run once."""
+    refs = {}
+    for name, args in (("mlp", MLP), ("gpt", GPT), ("tied", TIED)):
+        run_dir = tmp_path_factory.mktemp(f"single-{name}")
+        cli.run(cli.FAST + args + [f"run_dir={run_dir}"], cwd=run_dir)
+        refs[id(args)] = run_dir
+    return refs
+
+
+def assert_same_grad_norms(run_dir, ref_dir):
+    got = torch.tensor([r["grad_norm"] for r in cli.metrics(run_dir)], dtype=torch.float64)
+    want = torch.tensor([r["grad_norm"] for r in cli.metrics(ref_dir)], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", list(CASES))
+def test_hybrid_matches_single(singles, tmp_path, case):
+    model, hybrid, nproc = CASES[case]
+    cli.run(cli.FAST + model + hybrid + [f"nproc={nproc}", "strategy=hybrid", f"run_dir={tmp_path}"],
+            cwd=tmp_path, timeout=300)
+    ref = singles[id(model)]
+    cli.assert_same_training(tmp_path, ref)
+    assert_same_grad_norms(tmp_path, ref)  # clipping sees the single-device norm, across every mesh dimension
+    assert len(cli.metrics(tmp_path)[-1]["mem_peak_bytes_per_rank"]) == nproc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_of_two_workers(singles, tmp_path):
+    """Two torchrun agents on this machine as two nodes; dp2 x tp2 keeps each tp pair inside a node."""
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    agents = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+               f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=two-nodes", cli.TRAIN] + cli.FAST + MLP + [
+               "strategy=hybrid", "strategy.dp=2", "strategy.tp=2", f"run_dir={run_dir}"]
+        agents.append(subprocess.Popen(cmd, cwd=tmp_path, env=cli.env(), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True))
+    outputs = [a.communicate(timeout=300)[0] for a in agents]
+    for agent, out in zip(agents, outputs):
+        assert agent.returncode == 0, out[-5000:]
+    cli.assert_same_training(run_dir, singles[id(MLP)])
+    assert len(cli.metrics(run_dir)[-1]["mem_peak_bytes_per_rank"]) == 4
