@@ -3,6 +3,7 @@
     python launch/train.py [overrides]                     one process, or nproc=N workers
     torchrun --standalone --nproc-per-node N launch/train.py [overrides]
     python launch/train.py -m strategy=single,data ...     a sweep: one full run per job
+    python launch/train.py -m hydra/launcher=slurm ...     SLURM jobs, one worker per task
 """
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from parallel.config import ConfigError, to_config, validate  # noqa: E402
-from parallel.launcher import WorkerFailed, check_world_size, launch, under_torchrun, worker  # noqa: E402
+from parallel.launcher import (WorkerFailed, check_world_size, in_submitit_job, join_submitit_job,  # noqa: E402
+                               launch, under_torchrun, worker)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    started_by = "torchrun" if under_torchrun() else None
+    if started_by is None and in_submitit_job():
+        join_submitit_job()  # each task of the job is one worker
+        started_by = "the SLURM job"
     try:
         cfg = to_config(dcfg)
-        world = check_world_size(cfg.nproc)
+        world = check_world_size(cfg.nproc, started_by)
         validate(cfg, world)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
@@ -31,10 +37,13 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(2)
     # Workers get the validated config with derived values filled in (degrees, microbatches).
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    if under_torchrun():
-        worker(cfg_dict, None)
+    if started_by == "torchrun":
+        worker(cfg_dict, None)  # rank 0 picks the run dir (Note [one run directory])
         return
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    if started_by is not None:
+        worker(cfg_dict, run_dir)  # every task of the job has the same Hydra job directory
+        return
     try:
         launch(cfg_dict, run_dir, world)
     except WorkerFailed as e:

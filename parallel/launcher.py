@@ -1,10 +1,12 @@
 """Start the workers of a run, or be one of them.
 
-Three ways in, one body (`_work`):
+Four ways in, one body (`_work`):
   * plain `python launch/train.py` with nproc=1: this process is the only worker;
   * plain `python launch/train.py nproc=N` (also each job of a Hydra sweep): this
     process starts N workers through PyTorch's elastic launch API and waits;
-  * under `torchrun`: this process is one worker among WORLD_SIZE.
+  * under `torchrun`: this process is one worker among WORLD_SIZE;
+  * a task of a job that Hydra's submitit launcher started with several tasks
+    (hydra/launcher=slurm): each task is one worker (`join_submitit_job`).
 
 # Note [one run directory]
 All ranks of a run must write into the same directory. Hydra derives its output
@@ -36,6 +38,23 @@ from parallel.metrics import console_on, log, setup_logging
 def under_torchrun() -> bool:
     """True inside a worker started by torchrun (or any torchelastic agent)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def in_submitit_job() -> bool:
+    """True in a task of a job with several tasks, started by Hydra's submitit launcher."""
+    if os.environ.get("SUBMITIT_EXECUTOR") not in ("slurm", "local"):
+        return False
+    from submitit import JobEnvironment
+
+    return JobEnvironment().num_tasks > 1
+
+
+def join_submitit_job() -> None:
+    """Set torch.distributed's variables from the job's: rank = task, world = all tasks,
+    the rendezvous on the job's first node."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
 def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
@@ -157,12 +176,17 @@ def _train(cfg, run_dir: Path, device: torch.device) -> None:
         log.info("done: %s", run_dir)
 
 
-def check_world_size(nproc: int | None) -> int:
-    """The world size of this run: torchrun's, or nproc (default 1)."""
-    if under_torchrun():
+def check_world_size(nproc: int | None, started_by: str | None = None) -> int:
+    """The world size of this run: that of the launcher that started the workers, or nproc (default 1).
+
+    Args:
+        started_by: the launcher ("torchrun", "the SLURM job") when this process
+            is one of its workers; WORLD_SIZE is then its.
+    """
+    if started_by is not None:
         world = int(os.environ["WORLD_SIZE"])
         if nproc is not None and nproc != world:
-            raise ConfigError(f"nproc={nproc}: torchrun started {world} workers; "
-                              "drop nproc under torchrun (it sets the world size)")
+            raise ConfigError(f"nproc={nproc}: {started_by} started {world} workers; "
+                              f"drop nproc (the launcher sets the world size)")
         return world
     return 1 if nproc is None else nproc
