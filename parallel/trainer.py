@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from parallel.config import Config, build_meta_model
@@ -103,6 +104,7 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
         }
         record.update(run.engine.metrics())
         record.update(memory_record(memory))
+        record.update(state_record(run))
         metrics.log(record)
         bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
         if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
@@ -135,6 +137,19 @@ def save_final(engine, path: Path) -> None:
     state = engine.full_state_dict()
     if dist.get_rank() == 0:
         torch.save(state, path)
+
+
+def state_record(run: Run) -> dict:
+    """Bytes of this rank's own pieces of the weights and of the optimizer state, every rank's (gathered)."""
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = {id(p): p for p in run.engine.model.parameters()}  # a weight shared by two modules counts once
+    optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeroRedundancyOptimizer: the local one
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {"param_bytes_per_rank": gather_ints(sum(local_bytes(p) for p in params.values())),
+            "optim_state_bytes_per_rank": gather_ints(sum(local_bytes(t) for t in state))}
 
 
 def memory_record(memory: PeakMemory) -> dict:
