@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,11 @@ from parallel.init import InitPlan, materialize_and_init
 from parallel.optim import clip_grads
 from parallel.strategies import partition, schedules
 from parallel.strategies.chain import chain, compiled, retarget
+
+
+# Copying a traced pipeline copies torch's own pytree specs, whose deprecated
+# LeafSpec check warns once per process from inside torch; nothing to act on here.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 @dataclass
@@ -90,7 +96,11 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
     if n_stages > len(names):
         raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
                           f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)})")
-    blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if measure else -1)
+    # Only rank 0's choice counts (below), so only rank 0 times the blocks: the
+    # others would compete with it for the machine and skew what it measures.
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    timed = measure and (not distributed or dist.get_rank() == 0)
+    blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if timed else -1)
     in_flight = microbatches(cfg) if schedules.canonical(s.schedule) == "GPipe" else min(microbatches(cfg), s.pp)
     allowed = _float_boundaries(model, example, names)
     if s.split_points:
@@ -104,9 +114,8 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
         except ValueError as e:
             key = "memory.budget" if budget is not None else "strategy.pp"
             raise ConfigError(f"{key}={cfg.memory.budget if budget is not None else s.pp}: {e}") from None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        # Measured times differ from rank to rank; every rank must cut the model
-        # the same way, so rank 0's choice wins.
+    if distributed:
+        # Every rank must cut the model the same way: rank 0's choice wins.
         box = [starts_idx]
         dist.broadcast_object_list(box, src=0)
         starts_idx = box[0]
