@@ -256,15 +256,11 @@ def validate(cfg: Config, world_size: int) -> None:
         fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data or strategy=hybrid")
     if s.balance not in BALANCES:
         fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
-    for checked in (False, True):  # by name first; a hybrid's tp degree is known once resolved
-        if s.tp_plan and not (tensor_parallel(s) or (not checked and s.name == "hybrid")):
-            fail("strategy.tp_plan", list(s.tp_plan), "a tensor-parallel plan needs strategy=model, or "
-                 "strategy=hybrid with strategy.tp > 1")
-        if s.sequence_parallel and not (tensor_parallel(s) or (not checked and s.name == "hybrid")):
-            fail("strategy.sequence_parallel", True, "sequence parallelism shards between tensor-parallel "
-                 "layers: it needs strategy=model, or strategy=hybrid with strategy.tp > 1")
-        if not checked:
-            resolve(cfg, world_size)
+    # Tensor-parallel keys are checked by strategy name first (a plain strategy
+    # may reject a degree while resolving), then by the resolved hybrid's tp.
+    _check_tensor_keys(s, s.name in ("model", "hybrid"))
+    resolve(cfg, world_size)
+    _check_tensor_keys(s, tensor_parallel(s))
     per_rank = t.batch_size // s.dp
     if t.batch_size % s.dp:
         fail("trainer.batch_size", t.batch_size,
@@ -285,6 +281,15 @@ def validate(cfg: Config, world_size: int) -> None:
         from parallel.strategies.pipeline import plan_split
 
         plan_split(build_meta_model(cfg.model), cfg, s.dp, measure=False)  # traces; names bad split points
+
+
+def _check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
+    rule = "strategy=model, or strategy=hybrid with strategy.tp > 1"
+    if s.tp_plan and not allowed:
+        fail("strategy.tp_plan", list(s.tp_plan), f"a tensor-parallel plan needs {rule}")
+    if s.sequence_parallel and not allowed:
+        fail("strategy.sequence_parallel", True,
+             f"sequence parallelism shards between tensor-parallel layers: it needs {rule}")
 
 
 def _validate_pipeline(cfg: Config, per_rank: int) -> None:
