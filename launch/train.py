@@ -46,6 +46,9 @@ def main(dcfg: DictConfig) -> None:
         return
     try:
         launch(cfg_dict, run_dir, world)
+    except ConfigError as e:  # found while building, in a single in-process worker (e.g. no disk space)
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     except WorkerFailed as e:
         print(f"{e.traceback}\nerror: {e}", file=sys.stderr)
         sys.exit(1)

@@ -64,6 +64,15 @@ class StrategyConfig:
     # Shard norms, dropout and the residual stream along the sequence between
     # tensor-parallel layers (built-in transformer only).
     sequence_parallel: bool = False
+    # Offload (one device): the tier each kind lives on: device, cpu, disk, auto (the
+    # tier below the device); activations also checkpoint (recompute in backward).
+    params: str = "auto"
+    optimizer: str = "auto"
+    activations: str = "device"
+    # Directory for the disk tier; None: <run_dir>/offload. Removed at the end.
+    path: Optional[str] = None
+    # Blocks read ahead of the one computing.
+    prefetch: int = 1
 
 
 @dataclass
@@ -249,6 +258,8 @@ def validate(cfg: Config, world_size: int) -> None:
         fail("strategy.name", s.name, "unknown strategy", sorted(STRATEGIES))
     if s.zero not in ZERO_LEVELS:
         fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
+    if s.name == "offload":
+        _validate_offload(cfg, world_size)
     if s.name == "single" and world_size != 1:
         fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
              "strategy=data or strategy=pipeline for several processes")
@@ -273,6 +284,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if pipelined(s):
         _validate_pipeline(cfg, per_rank)
     validate_model(cfg.model)
+    if s.name == "offload" and s.path is not None:
+        _check_offload_disk(cfg)
     if tensor_parallel(s):
         from parallel.strategies.tensor import example_input, resolve_plan
 
@@ -281,6 +294,54 @@ def validate(cfg: Config, world_size: int) -> None:
         from parallel.strategies.pipeline import plan_split
 
         plan_split(build_meta_model(cfg.model), cfg, s.dp, measure=False)  # traces; names bad split points
+
+
+def _validate_offload(cfg: Config, world_size: int) -> None:
+    import torch
+
+    from parallel.offload.tiers import TIERS, effective
+
+    s = cfg.strategy
+    if world_size != 1:
+        fail("strategy", "offload", f"streams one device's model from the tiers below it and runs on one process, "
+             f"but the world size is {world_size}",
+             "strategy=data strategy.zero=3 to shard weights and optimizer state over processes, "
+             "or strategy=pipeline to split the model by layers")
+    for kind in ("params", "optimizer"):
+        if getattr(s, kind) not in TIERS:
+            fail(f"strategy.{kind}", getattr(s, kind), "unknown tier", list(TIERS))
+    if s.activations not in TIERS + ("checkpoint",):
+        fail("strategy.activations", s.activations, "unknown tier", list(TIERS) + ["checkpoint"])
+    if isinstance(s.prefetch, bool) or not isinstance(s.prefetch, int) or s.prefetch < 0:
+        fail("strategy.prefetch", s.prefetch, "must be an integer >= 0 (blocks read ahead)")
+    if cfg.trainer.grad_accum != 1:
+        fail("trainer.grad_accum", cfg.trainer.grad_accum, "must be 1 under strategy=offload: each block's "
+             "gradients leave the device as soon as they are complete",
+             "a smaller trainer.batch_size, or strategy.activations=disk or checkpoint to fit a larger one")
+    cuda = _cuda_run(cfg.trainer.device)
+    device = torch.device("cuda" if cuda else "cpu")
+    for kind in ("params", "optimizer"):
+        if cuda and effective(getattr(s, kind), device) == "disk":
+            fail(f"strategy.{kind}", "disk", "the disk tier sits below the CPU; under a GPU the tier below is "
+                 "pinned CPU memory", ["cpu", "auto", "device"])
+
+
+def _check_offload_disk(cfg: Config) -> None:
+    """The disk tier's directory is writable and has room for the weights, gradients and AdamW state.
+
+    (Checked again, for the run directory, when the engine is built.)"""
+    import torch
+
+    from parallel.offload.tiers import check_disk, effective
+
+    s = cfg.strategy
+    device = torch.device("cuda" if _cuda_run(cfg.trainer.device) else "cpu")
+    weights = sum(p.numel() * p.element_size() for p in build_meta_model(cfg.model).parameters())
+    needed = (weights if effective(s.params, device) == "disk" else 0) + \
+        (3 * weights if effective(s.optimizer, device) == "disk" else 0)
+    why = check_disk(s.path, max(needed, 1))
+    if why:
+        fail("strategy.path", s.path, why)
 
 
 def _check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:

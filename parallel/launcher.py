@@ -167,11 +167,17 @@ def _train(cfg, run_dir: Path, device: torch.device) -> None:
         log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
     dims = ParallelDims.from_config(cfg.strategy, world)
     log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name, world, device)
+    cfg.run_dir = str(run_dir)  # strategies may keep files there (offload's disk tier)
     run = build_run(cfg, dims, device)
     console_on(run.is_logger)
-    train(cfg, run, run_dir)
-    if cfg.trainer.save_final:
-        save_final(run.engine, run_dir / "final_model.pt")
+    try:
+        train(cfg, run, run_dir)
+        if cfg.trainer.save_final:
+            save_final(run.engine, run_dir / "final_model.pt")
+    finally:
+        close = getattr(run.engine, "close", None)
+        if close is not None:
+            close()  # e.g. offload removes its files, also when the run fails
     if run.is_logger:
         log.info("done: %s", run_dir)
 

@@ -74,13 +74,15 @@ class PeakMemory:
         self.peak = 0
 
     @contextlib.contextmanager
-    def watch(self, model, optimizer):
+    def watch(self, engine, optimizer):
         """Track live tensor bytes during the enclosed step (CPU only)."""
         if self.device.type == "cuda":
             yield
             return
         tracker = LiveTensorBytes(self.device.type)
-        tracker.track(state_tensors(model, optimizer))
+        tracker.track(state_tensors(engine.model, optimizer))
+        # What the engine holds besides the model (offload's buffers and resident state).
+        tracker.track(getattr(engine, "resident_tensors", list)())
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)
@@ -132,6 +134,8 @@ def _tb_name(key: str) -> str:
     key = key.removesuffix("_per_rank")
     if key.startswith(("mem_", "rss_")):
         return f"memory/{key}"
+    if key.startswith("offload_"):
+        return f"offload/{key.removeprefix('offload_')}"
     if key.endswith("time_s"):
         return f"time/{key}"
     return f"train/{key}"

@@ -42,7 +42,10 @@ def build_run(cfg: Config, dims: ParallelDims, device: torch.device) -> Run:
     model = build_meta_model(cfg.model)
     plan = init_plan(model)  # names -> initialization, taken before any partitioning
     engine = parallelize(model, mesh, cfg, device, plan)
-    optimizer = build_optimizer(engine.model, cfg, mesh["dp"].get_group())
+    if hasattr(engine, "make_optimizer"):  # an engine that runs the step itself (offload)
+        optimizer = engine.make_optimizer()
+    else:
+        optimizer = build_optimizer(engine.model, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
     data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
     # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
@@ -84,7 +87,7 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
         logging_step = step % t.log_every == 0 or step == t.steps
         watched = step == 1 or logging_step
         t0 = time.perf_counter()
-        with memory.watch(run.engine.model, run.optimizer) if watched else contextlib.nullcontext():
+        with memory.watch(run.engine, run.optimizer) if watched else contextlib.nullcontext():
             loss, norm, data_time = train_step(run, step)
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)

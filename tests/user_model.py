@@ -134,3 +134,24 @@ class FeedForwards(nn.Module):
 
 def feed_forwards(features: int = 32, width: int = 16, out: int = 4, pairs: int = 2) -> nn.Module:
     return FeedForwards(features, width, out, pairs)
+
+
+class FailsLate(nn.Module):
+    """Linear blocks whose forward raises on its `at`-th call: a run that fails mid-training."""
+
+    def __init__(self, features: int = 32, out: int = 4, at: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(features, features), nn.Linear(features, out)])
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("boom in the middle of training")
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def fails_late(features: int = 32, out: int = 4, at: int = 3) -> nn.Module:
+    return FailsLate(features, out, at)

@@ -42,12 +42,28 @@ def _hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.devic
     return parallelize_hybrid(model, mesh, cfg, device, plan)
 
 
+def _offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+    from parallel.metrics import log
+    from parallel.offload.engine import OffloadEngine
+    from parallel.strategies.partition import candidates
+    from parallel.strategies.tensor import example_input
+
+    names, _ = candidates(model, example_input(cfg))
+    engine = OffloadEngine(model, cfg, device, plan, names, cfg.run_dir, loss_fn(cfg.data.task))
+    t = engine.tier_names
+    log.info("offload: %d blocks (largest %.1f MB), params on %s, optimizer state on %s, activations on %s%s",
+             len(engine.blocks), engine.pool.nbytes / 1e6, t["params"], t["optimizer"], t["activations"],
+             f" ({engine.path})" if "disk" in t.values() else "")
+    return engine
+
+
 STRATEGIES = {
     "single": _local(apply_single),
     "data": _local(apply_data),
     "pipeline": _pipeline,
     "model": _local(apply_tensor),
     "hybrid": _hybrid,  # the order it applies the pieces in: parallel.strategies.hybrid
+    "offload": _offload,
 }
 
 

@@ -41,6 +41,12 @@ BAD = [
     ({"strategy__name": "hybrid", "strategy__tp": 3}, 3, "strategy.tp"),  # hidden 64 over tp 3
     ({"strategy__name": "hybrid", "strategy__pp": 2, "strategy__microbatches": 3}, 4, "strategy.microbatches"),
     ({"strategy__name": "model", "strategy__zero": 2}, 2, "strategy.zero"),
+    ({"strategy__name": "offload"}, 2, "strategy"),  # one process only
+    ({"strategy__name": "offload", "strategy__params": "ssd"}, 1, "strategy.params"),
+    ({"strategy__name": "offload", "strategy__activations": "gpu"}, 1, "strategy.activations"),
+    ({"strategy__name": "offload", "strategy__prefetch": -1}, 1, "strategy.prefetch"),
+    ({"strategy__name": "offload", "trainer__grad_accum": 2}, 1, "trainer.grad_accum"),
+    ({"strategy__name": "offload", "strategy__path": __file__ + "/offload"}, 1, "strategy.path"),  # under a file
     ({"data__task": "vision"}, 1, "data.task"),
     ({"data__features": -3}, 1, "data.features"),
     ({"optim__lr": 0.0}, 1, "optim.lr"),
@@ -97,3 +103,11 @@ def test_hybrid_derives_unset_degrees(given, derived):
                                         ("1000", 1000), ("80gb", 80 * 10**9)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_disk_check_names_the_bytes_needed(tmp_path):
+    from parallel.offload.tiers import check_disk
+
+    assert check_disk(tmp_path / "new" / "dir", 1) is None
+    why = check_disk(tmp_path, 10**18)
+    assert "1000000000.00 GB needed" in why and "free at" in why

@@ -1,0 +1,73 @@
+"""strategy=offload streams weights, optimizer state and activations, and trains to the single-device numbers."""
+import pytest
+
+from tests import cli
+
+MLP = ["model.args.depth=4"]
+GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16"]
+NO_CLIP = ["trainer.clip_grad_norm=0"]
+
+# name -> (model args, offload args); the reference is `single` with the same model args
+CASES = {
+    "weights_and_optimizer_on_disk": (MLP, []),
+    "step_during_backward_without_clipping": (MLP + NO_CLIP, []),
+    "activations_on_disk": (MLP, ["strategy.activations=disk"]),
+    "activations_on_disk_no_prefetch": (MLP + NO_CLIP, ["strategy.activations=disk", "strategy.prefetch=0"]),
+    "checkpointing": (MLP, ["strategy.activations=checkpoint"]),
+    "weights_on_device_optimizer_on_disk": (MLP, ["strategy.params=device"]),
+    "gpt_activations_on_disk": (GPT, ["strategy.activations=disk", "strategy.prefetch=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    refs = {}
+    for model, _ in CASES.values():
+        key = tuple(model)
+        if key not in refs:
+            run_dir = tmp_path_factory.mktemp("single")
+            cli.run(cli.FAST + model + [f"run_dir={run_dir}"], cwd=run_dir)
+            refs[key] = run_dir
+    return refs
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", list(CASES))
+def test_offload_matches_single(singles, tmp_path, case):
+    model, offload = CASES[case]
+    cli.run(cli.FAST + model + offload + ["strategy=offload", f"run_dir={tmp_path}"], cwd=tmp_path)
+    cli.assert_same_training(tmp_path, singles[tuple(model)])
+    last = cli.metrics(tmp_path)[-1]
+    moved = last["offload_params_bytes"] + last["offload_optimizer_bytes"] + last["offload_activations_bytes"]
+    assert moved > 0 and last["offload_wait_s"] >= 0
+    if "strategy.activations=disk" in offload:
+        assert last["offload_activations_bytes"] > 0
+    assert not (tmp_path / "offload").exists()  # the disk tier is removed at the end
+
+
+@pytest.mark.timeout(200)
+def test_peak_memory_is_bounded_by_block_size_and_prefetch(tmp_path):
+    """16 blocks of 256 x 256: the offloaded peak is the buffer pool plus what the step itself
+    allocates (activations, temporaries), not the model's weights, gradients and AdamW state."""
+    wide = ["model.args.hidden=256", "model.args.depth=16", "trainer.batch_size=8"]
+    ref = tmp_path / "single"
+    cli.run(cli.FAST + wide + [f"run_dir={ref}"], cwd=tmp_path)
+    off = tmp_path / "offload"
+    cli.run(cli.FAST + wide + ["strategy=offload", "strategy.prefetch=1", f"run_dir={off}"], cwd=tmp_path)
+    single, offload = cli.metrics(ref)[-1], cli.metrics(off)[-1]
+    weights = single["param_bytes_per_rank"][0]
+    state = weights + single["optim_state_bytes_per_rank"][0] + weights  # + gradients
+    step_own = single["mem_peak_bytes"] - state  # activations and temporaries of one step
+    block = 256 * 256 * 4 + 256 * 4  # the largest block: one Linear(256, 256)
+    pool = 4 * (1 + 1) + 2  # buffers for prefetch=1 (parallel.offload.engine)
+    assert offload["mem_peak_bytes"] <= pool * block + step_own
+    assert offload["mem_peak_bytes"] < single["mem_peak_bytes"] / 3
+
+
+@pytest.mark.timeout(120)
+def test_disk_files_are_removed_when_the_run_fails(tmp_path):
+    proc = cli.run(cli.FAST + ["strategy=offload", "model=custom", "model._target_=tests.user_model.fails_late",
+                               f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "boom in the middle of training" in proc.stderr
+    assert not (tmp_path / "offload").exists()
