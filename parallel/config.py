@@ -83,6 +83,8 @@ class ModelConfig:
     # set it replaces the built-in and receives `args` as keyword arguments.
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
+    # model=stacked: a state dict with the frozen extractor's pretrained weights.
+    frozen_checkpoint: Optional[str] = None
 
 
 @dataclass
@@ -452,6 +454,10 @@ def resolve_factory(m: ModelConfig):
 
 def validate_model(m: ModelConfig) -> None:
     """Check that the factory exists and accepts `model.args`."""
+    import os
+
+    if m.frozen_checkpoint is not None and not os.path.isfile(m.frozen_checkpoint):
+        fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
     factory = resolve_factory(m)
     try:
         sig = inspect.signature(factory)

@@ -2,9 +2,11 @@
 from parallel.models.cnn import build_cnn
 from parallel.models.gpt import build_gpt
 from parallel.models.mlp import build_mlp
+from parallel.models.stacked import build_stacked
 
 MODELS = {
     "mlp": build_mlp,
     "gpt": build_gpt,
     "cnn": build_cnn,
+    "stacked": build_stacked,
 }

@@ -46,6 +46,31 @@ def test_offload_matches_single(singles, tmp_path, case):
 
 
 @pytest.mark.timeout(200)
+def test_stacked_model_with_a_pretrained_frozen_extractor(tmp_path):
+    """The extractor loads its checkpoint and never changes; the head trains as under single."""
+    import torch
+
+    ckpt = tmp_path / "extractor.pt"
+    gen = torch.Generator().manual_seed(7)
+    widths = [32, 64, 64, 64]
+    state = {}
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        state[f"frozen.{i}.fc.weight"] = torch.randn(b, a, generator=gen) * 0.1
+        state[f"frozen.{i}.fc.bias"] = torch.randn(b, generator=gen) * 0.1
+    torch.save(state, ckpt)
+    model = ["model=stacked", f"model.frozen_checkpoint={ckpt}"]
+    ref = tmp_path / "single"
+    cli.run(cli.FAST + model + [f"run_dir={ref}"], cwd=tmp_path)
+    off = tmp_path / "offload"
+    cli.run(cli.FAST + model + ["strategy=offload", f"run_dir={off}"], cwd=tmp_path)
+    cli.assert_same_training(off, ref)
+    final = cli.final_weights(off)
+    for name, value in state.items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=0)  # frozen: exactly the checkpoint
+    assert final["head.0.fc.weight"].abs().sum() > 0
+
+
+@pytest.mark.timeout(200)
 def test_peak_memory_is_bounded_by_block_size_and_prefetch(tmp_path):
     """16 blocks of 256 x 256: the offloaded peak is the buffer pool plus what the step itself
     allocates (activations, temporaries), not the model's weights, gradients and AdamW state."""

@@ -47,6 +47,7 @@ BAD = [
     ({"strategy__name": "offload", "strategy__prefetch": -1}, 1, "strategy.prefetch"),
     ({"strategy__name": "offload", "trainer__grad_accum": 2}, 1, "trainer.grad_accum"),
     ({"strategy__name": "offload", "strategy__path": __file__ + "/offload"}, 1, "strategy.path"),  # under a file
+    ({"model__name": "stacked", "model__frozen_checkpoint": "/no/such/file.pt"}, 1, "model.frozen_checkpoint"),
     ({"data__task": "vision"}, 1, "data.task"),
     ({"data__features": -3}, 1, "data.features"),
     ({"optim__lr": 0.0}, 1, "optim.lr"),
