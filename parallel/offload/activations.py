@@ -56,7 +56,7 @@ class ActivationStore:
             (bounds the memory of tensors not yet written).
     """
 
-    def __init__(self, path: Path | None, device: torch.device, counters: Counters, pool, max_pending: int = 16):
+    def __init__(self, path: Path | None, device: torch.device, counters: Counters, pool, max_pending: int = 4):
         self.device, self.counters, self.pool = device, counters, pool
         if path is not None:
             Path(path).mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,12 @@ from parallel.offload.activations import ActivationStore
 from parallel.offload.tiers import Counters, DiskTier, HostTier, check_disk, effective, finish
 
 ALIGN = 64
+
+# The backward pre-hook of the first block fires although no input of it needs
+# a gradient (its weights do); torch warns about that case, which is the one
+# the engine relies on.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
+                        "to module outputs since no inputs require gradients")
 
 
 @dataclass
@@ -90,6 +97,28 @@ class Block:
     @property
     def trainable(self) -> list[Slot]:
         return [s for s in self.slots if s.param.requires_grad]
+
+
+def _return_freed_memory() -> None:
+    """Have glibc give large freed blocks back to the system at once (Linux only).
+
+    glibc raises its mmap threshold after the first large free, so later
+    tensors of that size come from the heap, where freed space stays in the
+    process: the activations that went to disk would still count against the
+    process's memory. A fixed 1 MiB threshold keeps large tensors in their own
+    mappings, returned when freed.
+    """
+    import ctypes
+    import sys
+
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 class BufferPool:
@@ -148,6 +177,7 @@ class OffloadEngine:
                  run_dir: Path, loss_fn):
         s = cfg.strategy
         self.cfg, self.device, self.loss_fn = cfg, device, loss_fn
+        _return_freed_memory()
         self.prefetch = s.prefetch
         self.clip_norm = cfg.trainer.clip_grad_norm
         self.counters = {kind: Counters() for kind in ("params", "optimizer", "activations")}

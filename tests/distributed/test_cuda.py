@@ -25,3 +25,16 @@ def test_fp32_on_cuda_matches_cpu_single(tmp_path):
     cli.run(cli.FAST + ["trainer.device=cuda", "trainer.precision=fp32", f"run_dir={gpu}"], cwd=tmp_path)
     # Different kernels: close, not bit-equal.
     torch.testing.assert_close(cli.losses(gpu), cli.losses(cpu), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("activations", ["device", "cpu"])
+def test_offload_to_pinned_host_memory_matches_single_on_cuda(tmp_path, activations):
+    """Weights and optimizer state in pinned host memory, copies on a side stream."""
+    common = cli.FAST + ["trainer.device=cuda", "trainer.precision=fp32"]
+    ref, off = tmp_path / "single", tmp_path / "offload"
+    cli.run(common + [f"run_dir={ref}"], cwd=tmp_path)
+    cli.run(common + ["strategy=offload", "strategy.params=cpu", "strategy.optimizer=cpu",
+                      f"strategy.activations={activations}", f"run_dir={off}"], cwd=tmp_path)
+    cli.assert_same_training(off, ref)
+    assert cli.metrics(off)[-1]["offload_params_bytes"] > 0
