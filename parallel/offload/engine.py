@@ -191,7 +191,7 @@ class OffloadEngine:
         self.stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
         self.last_step = None
         self.model = model
-        self._realize(model, plan, blocks)
+        self._realize(model, blocks)
         disk_bytes = self._disk_bytes()
         if disk_bytes:
             why = check_disk(self.path, disk_bytes)
@@ -228,7 +228,7 @@ class OffloadEngine:
 
     # ---- building -------------------------------------------------------------------------------
 
-    def _realize(self, model: nn.Module, plan: InitPlan, names: list[str]) -> None:
+    def _realize(self, model: nn.Module, names: list[str]) -> None:
         """Real parameter objects (empty until bound), blocks and their layouts, resident parameters.
 
         The new parameters go into the model only after initialization
@@ -273,7 +273,7 @@ class OffloadEngine:
         self.block_of = {id(s.param): b for b in self.blocks for s in b.slots}
 
     def _install(self) -> None:
-        """Put the real parameters (and materialized buffers) into the model."""
+        """Put the real parameters into the model, in place of the meta ones."""
         for module, name, q in self._slots_to_fill:
             module._parameters[name] = q
         self._slots_to_fill = []

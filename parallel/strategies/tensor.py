@@ -39,6 +39,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from parallel.config import Config, ConfigError
 
@@ -104,8 +105,11 @@ class _Ops(TorchDispatchMode):
         self.events = events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.events.append(("op", func))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.events.append(("op", (func, inputs, outputs)))  # meta tensors: keeping them costs nothing
+        return out
 
 
 # Elementwise in effect although not tagged pointwise.
@@ -133,11 +137,11 @@ def infer_plan(model: nn.Module, example: tuple) -> dict[str, str]:
     shapes: dict[str, tuple] = {}
 
     def pre(mod, args):
-        events.append(("start", linears[mod]))
+        events.append(("start", (linears[mod], args[0])))
         shapes.setdefault(linears[mod] + ":in", tuple(args[0].shape))
 
     def post(mod, args, out):
-        events.append(("end", linears[mod]))
+        events.append(("end", (linears[mod], out)))
         shapes.setdefault(linears[mod] + ":out", tuple(out.shape))
 
     handles = [m.register_forward_pre_hook(pre) for m in linears] + [m.register_forward_hook(post) for m in linears]
@@ -153,20 +157,26 @@ def infer_plan(model: nn.Module, example: tuple) -> dict[str, str]:
     calls: dict[str, int] = {}
     for kind, what in events:
         if kind == "start":
-            calls[what] = calls.get(what, 0) + 1
+            calls[what[0]] = calls.get(what[0], 0) + 1
     plan: dict[str, str] = {}
-    last_end, between = None, True  # the Linear that ended last, and whether only elementwise ops followed
+    # The Linear that ended last, and the tensors made from its output by
+    # elementwise ops alone since then (None once anything else ran).
+    last_end, derived = None, None
     for kind, what in events:
         if kind == "end":
-            last_end, between = what, True
-        elif kind == "op":
-            between = between and _elementwise(what)
+            last_end, derived = what[0], {id(what[1])}
+        elif kind == "op" and derived is not None:
+            func, inputs, outputs = what
+            if _elementwise(func) and any(id(t) in derived for t in inputs):
+                derived.update(id(t) for t in outputs)
+            elif not _elementwise(func):
+                derived = None
         elif kind == "start":
-            a, b = last_end, what
-            if (a is not None and between and a not in plan and calls.get(a) == 1 and calls.get(b) == 1
-                    and shapes[a + ":out"] == shapes[b + ":in"]):
+            a, (b, x) = last_end, what
+            if (a is not None and derived is not None and id(x) in derived and a not in plan
+                    and calls.get(a) == 1 and calls.get(b) == 1 and shapes[a + ":out"] == shapes[b + ":in"]):
                 plan[a], plan[b] = "colwise", "rowwise"
-            last_end = None
+            last_end, derived = None, None
     if not plan:
         raise ConfigError(
             f"strategy.tp_plan=[]: {type(model).__name__} has no tensor-parallel plan and none could be inferred "

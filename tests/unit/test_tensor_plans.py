@@ -85,12 +85,25 @@ class _Gated(nn.Module):
         return self.b(torch.nn.functional.gelu(self.a(x)) * 2)
 
 
+class _Branches(nn.Module):
+    """a and b both read x: b runs right after a with matching widths, but does not take a's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
 def test_inferred_plan_pairs_linears_joined_by_elementwise_ops_only():
     from tests.user_model import feed_forwards
 
     with torch.device("meta"):
         plan = infer_plan(feed_forwards(), (torch.zeros(2, 32, device="meta"),))
         gated = infer_plan(_Gated(), (torch.zeros(2, 8, device="meta"),))
+        with pytest.raises(ConfigError, match="none could be inferred"):
+            infer_plan(_Branches(), (torch.zeros(2, 8, device="meta"),))
     assert plan == {"pairs.0.up": "colwise", "pairs.0.down": "rowwise", "pairs.1.up": "colwise",
                     "pairs.1.down": "rowwise"}
     assert gated == {"down": "colwise", "a": "rowwise"}
