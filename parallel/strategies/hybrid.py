@@ -52,6 +52,9 @@ def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, 
     """Step 3: FSDP2 units over the mesh's dp dimension, one per block, then `module` itself."""
     dp_mesh = mesh["dp"]
     if zero == 0:
+        # FSDP2's replicate, not strategy=data's DDP: DDP does not take the
+        # DTensor parameters tensor parallelism leaves, nor the per-microbatch
+        # gradient-sync switch PipelineStage drives on FSDP modules.
         wrap = lambda m: replicate(m, mesh=dp_mesh)  # noqa: E731
     else:
         wrap = lambda m: fully_shard(m, mesh=dp_mesh, reshard_after_forward=zero == 3)  # noqa: E731
