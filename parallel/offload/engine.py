@@ -219,6 +219,7 @@ class OffloadEngine:
         self.coef: torch.Tensor | None = None
         self.optimizer: OffloadOptimizer | None = None
         self.phase = "forward"
+        self.bound: dict[int, Block] = {}  # storage address of a bound buffer -> its block
         try:
             self._write_initial(plan)
         except BaseException:
@@ -370,9 +371,11 @@ class OffloadEngine:
     def _bind(self, b: Block) -> None:
         for s in b.slots:
             s.param.data = s.view(b.buffer)
+        self.bound[b.buffer.untyped_storage().data_ptr()] = b
 
     def _unbind(self, b: Block) -> torch.Tensor:
         buf = b.buffer
+        self.bound.pop(buf.untyped_storage().data_ptr(), None)
         for s in b.slots:
             s.param.data = torch.empty(0, dtype=s.dtype, device=self.device)
         b.buffer, b.pending = None, None
@@ -592,11 +595,7 @@ class OffloadEngine:
     def _bound_owner(self, t: torch.Tensor) -> Block | None:
         if t.device != self.device:
             return None
-        ptr = t.untyped_storage().data_ptr()
-        for b in self.blocks:
-            if b.buffer is not None and b.buffer.untyped_storage().data_ptr() == ptr:
-                return b
-        return None
+        return self.bound.get(t.untyped_storage().data_ptr())
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (every parameter's, in model order); sets the clip factor the step applies."""
