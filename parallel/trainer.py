@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 

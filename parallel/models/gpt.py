@@ -81,7 +81,7 @@ class GPT(nn.Module):
         shards, attention and MLP gather it on entry and their rowwise outputs
         reduce-scatter back into shards, and the head gathers it at the end.
         """
-        heads, dim = self.blocks[0].attn.heads, self.tok.embedding_dim
+        heads = self.blocks[0].attn.heads
         if heads % tp:
             raise ValueError(f"model.args.heads={heads} must divide by tp {tp}")
         if sequence_parallel and self.pos.num_embeddings % tp:

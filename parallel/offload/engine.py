@@ -200,7 +200,7 @@ class OffloadEngine:
         self.tiers = {}
         for kind in ("params", "optimizer"):
             t = self.tier_names[kind]
-            self.tiers[kind] = (DiskTier(self.path / kind, self.counters[kind]) if t == "disk"
+            self.tiers[kind] = (DiskTier(self.path / kind, self.counters[kind], self.io) if t == "disk"
                                 else HostTier(device, self.counters[kind]) if t == "cpu" else None)
         act = self.tier_names["activations"]
         self.acts = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import torch
@@ -75,21 +75,22 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class DiskTier:
-    """Files under `path`, one per key; I/O on `threads` background threads.
+    """Files under `path`, one per key; reads and writes run on `io`, the engine's I/O threads.
 
     Args:
         path: a directory (created; removed by `close` when this tier created it).
         counters: where bytes moved are added.
+        io: the executor that runs the transfers (shut down by its owner).
     """
 
     name = "disk"
 
-    def __init__(self, path: Path, counters: Counters, threads: int = 2):
+    def __init__(self, path: Path, counters: Counters, io: Executor):
         self.path = Path(path)
         self._created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         self.counters = counters
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-io")
+        self.pool = io
 
     def _file(self, key: str) -> Path:
         return self.path / f"{key}.bin"
@@ -114,7 +115,6 @@ class DiskTier:
         return self.pool.submit(run)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
         if self._created:
             shutil.rmtree(self.path, ignore_errors=True)
         else:
