@@ -73,6 +73,9 @@ class StrategyConfig:
     path: Optional[str] = None
     # Blocks read ahead of the one computing.
     prefetch: int = 1
+    # Run a model's frozen leading part one batch ahead, on its own thread, while
+    # the rest trains (models with frozen_forward/trainable_forward, e.g. stacked).
+    lookahead: bool = True
 
 
 @dataclass

@@ -33,6 +33,7 @@ class Run:
     data: SyntheticData
     device: torch.device
     is_logger: bool
+    next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
 
 
 def build_run(cfg: Config, dims: ParallelDims, device: torch.device) -> Run:
@@ -60,7 +61,15 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     collective out of every step.
     """
     t0 = time.perf_counter()
-    x, y = run.data.batch(step, run.device)
+    if run.next_batch is not None and run.next_batch[0] == step:
+        _, x, y = run.next_batch
+    else:
+        x, y = run.data.batch(step, run.device)
+    run.next_batch = None
+    if getattr(run.engine, "wants_next_input", False) and step < run.cfg.trainer.steps:
+        # The engine starts on the next input while this step trains (offload's frozen lookahead).
+        run.next_batch = (step + 1, *run.data.batch(step + 1, run.device))
+        run.engine.look_ahead(run.next_batch[1])
     data_time = time.perf_counter() - t0
     loss = run.engine.forward_backward(x, y)
     norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)

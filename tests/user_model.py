@@ -155,3 +155,36 @@ class FailsLate(nn.Module):
 
 def fails_late(features: int = 32, out: int = 4, at: int = 3) -> nn.Module:
     return FailsLate(features, out, at)
+
+
+def ahead_probe(steps: int = 6) -> nn.Module:
+    """The built-in stacked model, whose head refuses to train on batch k until the frozen
+    part has started on batch k+1: it trains only if the two really overlap."""
+    import threading
+
+    from parallel.models.stacked import Stacked
+
+    class AheadProbe(Stacked):
+        def __init__(self):
+            super().__init__(in_features=32, out_features=4, hidden=64, frozen_depth=3, head_depth=2)
+            self.started, self.trained = 0, 0
+            self.cond = threading.Condition()
+
+        def frozen_forward(self, x):
+            if not x.is_meta:  # meta: the framework tracing the model before training
+                with self.cond:
+                    self.started += 1
+                    self.cond.notify_all()
+            return super().frozen_forward(x)
+
+        def trainable_forward(self, features):
+            if not features.is_meta:
+                self.trained += 1
+                if self.trained < steps:
+                    with self.cond:
+                        if not self.cond.wait_for(lambda: self.started > self.trained, timeout=10):
+                            raise RuntimeError(f"the frozen part did not start on batch {self.trained + 1} "
+                                               f"while the head trained on batch {self.trained}")
+            return super().trainable_forward(features)
+
+    return AheadProbe()

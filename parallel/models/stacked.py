@@ -63,13 +63,21 @@ class Stacked(nn.Module):
         self.frozen.requires_grad_(False)
         self.head = nn.ModuleList([Block(hidden, hidden) for _ in range(head_depth)] + [nn.Linear(hidden, out_features)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # Split in two so that strategy=offload can run the frozen part one batch
+    # ahead of the head (Note [frozen lookahead] in parallel.offload.engine).
+    def frozen_forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # nothing flows back into the extractor
             for block in self.frozen:
                 x = block(x)
-        for block in self.head:
-            x = block(x)
         return x
+
+    def trainable_forward(self, features: torch.Tensor) -> torch.Tensor:
+        for block in self.head:
+            features = block(features)
+        return features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trainable_forward(self.frozen_forward(x))
 
 
 def build_stacked(in_features: int = 32, out_features: int = 4, hidden: int = 64, frozen_depth: int = 3,

@@ -34,6 +34,18 @@ go to the activations tier (parallel.offload.activations) or stay.
 Parameters held by several blocks (tied weights) and those outside every
 block stay resident. The step is AdamW's own functional form, so every number
 matches `strategy=single`.
+
+# Note [frozen lookahead]
+A model whose leading blocks are frozen (no trainable parameter) and that
+splits its forward into `frozen_forward(x)` and `trainable_forward(features)`
+(the built-in `stacked` does) gets the frozen part run one batch ahead: while
+the head trains on batch k, a thread of its own streams the frozen blocks over
+batch k+1 (the trainer hands the engine the next input, `look_ahead`). The
+frozen blocks have a buffer pool of their own, sized by the largest frozen
+block, so the two parts never share buffers and the head's pool is sized by
+the head. Correct because frozen weights never change: the features of batch
+k+1 are the same before and after step k. The frozen part runs under no_grad,
+so it saves nothing for backward.
 """
 from __future__ import annotations
 
@@ -93,6 +105,9 @@ class Block:
     state_ready: bool = False  # AdamW state exists on the optimizer tier
     grad_slots: list[Slot] = field(default_factory=list)  # with clipping: whose gradients wait for the step
     grads_write: object = None  # the write of those gradients to the optimizer tier
+    pool: "BufferPool | None" = None  # where its weights are read into
+    group: tuple[int, int] = (0, 0)  # the blocks [lo, hi) that prefetching stays within
+    ahead: bool = False  # a frozen block run one batch ahead (Note [frozen lookahead])
 
     @property
     def trainable(self) -> list[Slot]:
@@ -208,9 +223,25 @@ class OffloadEngine:
             self.acts = ActivationStore(self.path if act == "disk" else None, device, self.counters["activations"],
                                         self.io)
         self.stream_params = self.tiers["params"] is not None
+        # Leading blocks with no trainable parameter never run backward (their inputs need no gradient either).
+        self.n_frozen = 0
+        while self.n_frozen < len(self.blocks) and \
+                not any(p.requires_grad for p in self.blocks[self.n_frozen].module.parameters()):
+            self.n_frozen += 1
+        splits = callable(getattr(model, "frozen_forward", None)) and callable(getattr(model, "trainable_forward", None))
+        self.n_ahead = self.n_frozen if s.lookahead and splits else 0
+        ahead, rest = self.blocks[:self.n_ahead], self.blocks[self.n_ahead:]
         # Bound + prefetched blocks, and one block in its step (weights, gradients, two moments).
-        self.pool = BufferPool(max((b.nbytes for b in self.blocks), default=ALIGN), device,
-                               4 * (self.prefetch + 1) + 2)
+        self.pool = BufferPool(max((b.nbytes for b in rest), default=ALIGN), device, 4 * (self.prefetch + 1) + 2)
+        # The frozen part only runs forward: the bound block and those read ahead of it.
+        self.ahead_pool = BufferPool(max((b.nbytes for b in ahead), default=ALIGN), device, self.prefetch + 2)
+        for b in self.blocks:
+            b.pool, b.group, b.ahead = (self.ahead_pool, (0, len(ahead)), True) if b.index < len(ahead) else \
+                (self.pool, (len(ahead), len(self.blocks)), False)
+        self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-ahead")
+        self.next_input: torch.Tensor | None = None  # handed over by the trainer for the next step
+        self.pending_features: tuple[torch.Tensor, object] | None = None  # (input, its features' future)
+        self.frozen_wait_s, self.frozen_ahead_steps = 0.0, 0
         self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.params}  # AdamW's step counters
         self.state_in_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (exp_avg, exp_avg_sq)
         self.grads_in_memory: dict[int, torch.Tensor] = {}  # block -> gradients waiting for the step
@@ -310,7 +341,7 @@ class OffloadEngine:
             module, local, canonical = plan[fqn]
             buf.copy_(full_init_value(module, local, canonical, buf.shape, buf.dtype, seed))
         for b in self.blocks:
-            flat = self.pool.take()
+            flat = b.pool.take()
             for s in b.slots:
                 s.view(flat).copy_(value(s.fqn, s.shape, s.dtype))
             if self.stream_params:
@@ -318,7 +349,7 @@ class OffloadEngine:
             else:
                 b.buffer = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
                 b.buffer.copy_(flat[:b.nbytes])
-            self.pool.give(flat)
+            b.pool.give(flat)
         self._install()
         if not self.stream_params:
             for b in self.blocks:
@@ -336,7 +367,7 @@ class OffloadEngine:
                 b.module.register_full_backward_pre_hook(lambda m, g, b=b: self._before_backward(b))
             for s in b.trainable:
                 s.param.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_ready(b))
-            if self.tier_names["activations"] == "checkpoint":
+            if self.tier_names["activations"] == "checkpoint" and not b.ahead:  # ahead: no_grad, nothing saved
                 forward = b.module.forward
                 b.module.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
         for p in self.resident:
@@ -349,7 +380,7 @@ class OffloadEngine:
         """Start reading block `b`'s weights into a pool buffer (no-op if bound or on its way)."""
         if b.buffer is not None or not self.stream_params:
             return True
-        buf = self.pool.take(wait=wait)
+        buf = b.pool.take(wait=wait)
         if buf is None:
             return False
         b.buffer = buf
@@ -385,12 +416,15 @@ class OffloadEngine:
         if self.stream_params and b.buffer is not None:
             if b.pending is not None:
                 finish(b.pending)
-            self.pool.give(self._unbind(b))
+            b.pool.give(self._unbind(b))
 
     def _prefetch(self, start: int, step: int) -> None:
+        lo, hi = self.blocks[start].group
+        if step < 0:
+            lo = max(lo, self.n_frozen)
         for k in range(1, self.prefetch + 1):
             j = start + k * step
-            if 0 <= j < len(self.blocks):
+            if lo <= j < hi:
                 if self.acts is not None and step < 0:
                     self.acts.prefetch(j)
                 if not self._fetch(self.blocks[j], wait=False):
@@ -399,6 +433,13 @@ class OffloadEngine:
     # ---- hooks --------------------------------------------------------------------------------------
 
     def _before_forward(self, b: Block) -> None:
+        if b.ahead:
+            self._ensure(b)
+            self._prefetch(b.index, +1)
+            return
+        if threading.current_thread().name.startswith("offload-ahead"):
+            raise RuntimeError(f"frozen_forward ran block {b.name!r}, which has trainable parameters: a model's "
+                               "frozen_forward must run only its leading frozen blocks (Note [frozen lookahead])")
         if self.acts is not None:
             self.acts.block = b.index
         self._ensure(b)
@@ -406,7 +447,7 @@ class OffloadEngine:
             self._prefetch(b.index, +1)
 
     def _after_forward(self, b: Block) -> None:
-        if self.phase == "forward":
+        if self.phase == "forward" or b.ahead:
             self._release(b)
 
     def _before_backward(self, b: Block) -> None:
@@ -562,9 +603,11 @@ class OffloadEngine:
         self.norms, self.coef, self.phase = {}, None, "forward"
         if self.acts is not None:
             self.acts.reset()
+        features = self._frozen_features(x) if self.n_ahead else None
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             with autocast(self.cfg, self.device):
-                loss = self.loss_fn(self.model(x).float(), y)
+                out = self.model(x) if features is None else self.model.trainable_forward(features)
+                loss = self.loss_fn(out.float(), y)
             loss.backward()
         # Blocks whose parameters got no gradient this step (unused) still hand off what they have.
         for b in self.blocks:
@@ -573,6 +616,44 @@ class OffloadEngine:
             if b.buffer is not None and self.stream_params:
                 self._release(b)
         return loss.detach()
+
+    # ---- the frozen part, one batch ahead (Note [frozen lookahead]) ----------------------------------------
+
+    @property
+    def wants_next_input(self) -> bool:
+        """Whether the trainer should hand over the next step's input (`look_ahead`)."""
+        return self.n_ahead > 0
+
+    def look_ahead(self, x_next: torch.Tensor) -> None:
+        """The input of the next step: its frozen features are computed while this step trains."""
+        self.next_input = x_next
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), autocast(self.cfg, self.device):
+            return self.model.frozen_forward(x)
+
+    def _frozen_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen part's output for `x`: computed ahead during the last step, or now. Before waiting
+        for it, the next input's features are queued behind it, to run while this step trains."""
+        pending, self.pending_features = self.pending_features, None
+        if pending is not None and pending[0] is x:
+            future = pending[1]
+            self.frozen_ahead_steps += 1
+        else:
+            if pending is not None:
+                finish(pending[1])  # another input than announced: let it end, drop it
+            future = self.ahead.submit(self._features, x)
+        if self.next_input is not None:
+            self.pending_features = (self.next_input, self.ahead.submit(self._features, self.next_input))
+            self.next_input = None
+        t0 = time.perf_counter()
+        features = future.result()
+        self.frozen_wait_s += time.perf_counter() - t0
+        return features
+
+    def _drain_ahead(self) -> None:
+        if self.pending_features is not None:
+            finish(self.pending_features[1])
 
     def _pack(self, t: torch.Tensor):
         if self.stream_params:
@@ -614,12 +695,19 @@ class OffloadEngine:
             out[f"offload_{kind}_bytes"] = (read + written) / n
             wait += waited
         out["offload_wait_s"] = wait / n
+        if self.n_ahead:
+            # Seconds the head waited for the frozen features, and the share of steps whose features were ready ahead.
+            out["offload_frozen_wait_s"] = self.frozen_wait_s / n
+            out["offload_frozen_ahead"] = self.frozen_ahead_steps / n
+            self.frozen_wait_s, self.frozen_ahead_steps = 0.0, 0
         self.steps_run = 0
         return out
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """Device tensors the engine holds besides the model's: pool buffers and resident optimizer state."""
-        out = list(self.pool.all) + list(self.grads_in_memory.values())
+        out = list(self.pool.all) + list(self.ahead_pool.all) + list(self.grads_in_memory.values())
+        if self.pending_features is not None and self.pending_features[1].done():
+            out.append(self.pending_features[1].result())  # made on the other thread, unseen by the watch
         for pair in self.state_in_memory.values():
             out += list(pair)
         for pair in self.resident_state.values():
@@ -631,6 +719,7 @@ class OffloadEngine:
         """Every parameter and buffer under its original name (CPU tensors)."""
         if self.last_step is not None:
             finish(self.last_step)
+        self._drain_ahead()
         state = {}
         for b in self.blocks:
             was_bound = b.buffer is not None
@@ -648,7 +737,7 @@ class OffloadEngine:
 
     def close(self) -> None:
         """Wait for transfers, then remove every offload file."""
-        for ex in (self.stepper, self.io):
+        for ex in (self.ahead, self.stepper, self.io):
             ex.shutdown(wait=True, cancel_futures=True)
         for tier in self.tiers.values():
             if tier is not None:

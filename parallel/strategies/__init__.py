@@ -51,6 +51,11 @@ def _offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.devi
     names, _ = candidates(model, example_input(cfg))
     engine = OffloadEngine(model, cfg, device, plan, names, cfg.run_dir, loss_fn(cfg.data.task))
     t = engine.tier_names
+    if not engine.blocks:
+        log.warning("offload: no blocks found (the model's children called by its forward, or a ModuleList's "
+                    "children): every weight stays on the device")
+    if engine.n_ahead:
+        log.info("offload: the first %d blocks are frozen and run one batch ahead of the rest", engine.n_ahead)
     log.info("offload: %d blocks (largest %.1f MB), params on %s, optimizer state on %s, activations on %s%s",
              len(engine.blocks), engine.pool.nbytes / 1e6, t["params"], t["optimizer"], t["activations"],
              f" ({engine.path})" if "disk" in t.values() else "")

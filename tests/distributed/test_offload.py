@@ -46,8 +46,10 @@ def test_offload_matches_single(singles, tmp_path, case):
 
 
 @pytest.mark.timeout(200)
-def test_stacked_model_with_a_pretrained_frozen_extractor(tmp_path):
-    """The extractor loads its checkpoint and never changes; the head trains as under single."""
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_stacked_model_with_a_pretrained_frozen_extractor(tmp_path, lookahead):
+    """The extractor loads its checkpoint and never changes; the head trains as under single,
+    with the extractor one batch ahead of the head (the default) or not."""
     import torch
 
     ckpt = tmp_path / "extractor.pt"
@@ -62,12 +64,30 @@ def test_stacked_model_with_a_pretrained_frozen_extractor(tmp_path):
     ref = tmp_path / "single"
     cli.run(cli.FAST + model + [f"run_dir={ref}"], cwd=tmp_path)
     off = tmp_path / "offload"
-    cli.run(cli.FAST + model + ["strategy=offload", f"run_dir={off}"], cwd=tmp_path)
+    cli.run(cli.FAST + model + ["strategy=offload", f"strategy.lookahead={lookahead}", f"run_dir={off}"],
+            cwd=tmp_path)
     cli.assert_same_training(off, ref)
+    records = cli.metrics(off)
+    if lookahead:  # every step but the first found its features computed ahead
+        assert [r["offload_frozen_ahead"] for r in records] == [0.0] + [1.0] * (len(records) - 1)
+    else:
+        assert "offload_frozen_ahead" not in records[-1]
     final = cli.final_weights(off)
     for name, value in state.items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=0)  # frozen: exactly the checkpoint
     assert final["head.0.fc.weight"].abs().sum() > 0
+
+
+@pytest.mark.timeout(120)
+def test_frozen_part_runs_while_the_head_trains(tmp_path):
+    """The probe's head waits for the frozen part to start on the next batch: only an overlapped
+    run gets through (without lookahead the same model stops with the probe's error)."""
+    probe = ["model=custom", "model._target_=tests.user_model.ahead_probe", "+model.args.steps=6"]
+    cli.run(cli.FAST + probe + ["strategy=offload", f"run_dir={tmp_path / 'ahead'}"], cwd=tmp_path)
+    assert cli.metrics(tmp_path / "ahead")[-1]["offload_frozen_ahead"] == 1.0
+    proc = cli.run(cli.FAST + probe + ["strategy=offload", "strategy.lookahead=false",
+                                       f"run_dir={tmp_path / 'serial'}"], cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "the frozen part did not start on batch 2" in proc.stderr
 
 
 @pytest.mark.timeout(200)
