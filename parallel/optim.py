@@ -80,8 +80,11 @@ def clip_grads(grads: list[torch.Tensor], max_norm: float, counted: list[torch.T
         dist.all_reduce(square, group=sum_group)
     norm = square.sqrt()
     if max_norm > 0:
-        for group in _by_mesh(grads):
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        # torch's clip_grads_with_norm_ takes parameters (it scales their .grad), and these are the gradients
+        # themselves: scale them here by the same factor, min(max_norm / (norm + 1e-6), 1).
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
     return norm
 
 

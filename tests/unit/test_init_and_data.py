@@ -86,3 +86,16 @@ def test_tracker_sees_storage_resize():
         t.untyped_storage().resize_(0)
         _ = torch.ones(100)
     assert tracker.current == 400 and tracker.peak == 4000
+
+
+def test_clipping_scales_the_gradients_to_the_max_norm():
+    from parallel.optim import clip_grads
+
+    grads = [torch.full((3,), 2.0), torch.ones(4)]  # norm sqrt(12 + 4) = 4
+    norm = clip_grads(grads, max_norm=1.0)
+    assert norm.item() == 4.0  # the norm before clipping, as logged
+    clipped = torch.linalg.vector_norm(torch.cat(grads))
+    torch.testing.assert_close(clipped, torch.tensor(1.0), rtol=1e-5, atol=0)
+    small = [torch.full((2,), 0.1)]
+    clip_grads(small, max_norm=1.0)  # under the max: unchanged
+    torch.testing.assert_close(small[0], torch.full((2,), 0.1), rtol=0, atol=0)
