@@ -13,6 +13,9 @@ Style names:
     colwise_gather  ColwiseParallel whose output is gathered (replicated): for a
                     last layer whose full output the loss needs.
     sequence        SequenceParallel: norms and dropout on sequence shards.
+    positions       PositionwiseParallel (parallel.layers): a locally connected
+                    layer's output positions split over the ranks; input
+                    replicated, output gathered (whole).
     replicate       leave the module whole on every rank.
 Sequence parallelism (`strategy.sequence_parallel=true`) adds styles that move
 activations between sequence shards (dimension 1) and whole tensors:
@@ -42,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parallel.config import Config, ConfigError
+from parallel.layers import LocallyConnected1d, LocallyConnected2d, PositionwiseParallel
 
 SEQ = Shard(1)  # activations are (batch, sequence, features)
 STYLES = {
@@ -50,6 +54,7 @@ STYLES = {
     "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
     "sequence": lambda: SequenceParallel(),
     "replicate": None,
+    "positions": lambda: PositionwiseParallel(),
     "seq_split": lambda: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(SEQ,),
                                             use_local_output=True),
     "seq_gather": lambda: PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
@@ -211,6 +216,15 @@ def _expand(model: nn.Module, patterns: dict[str, str]) -> dict[str, str]:
 
 
 def _check_divisible(module: nn.Module, name: str, style: str, tp: int) -> None:
+    if style == "positions":
+        if not isinstance(module, (LocallyConnected1d, LocallyConnected2d)):
+            raise ConfigError(f"strategy.tp_plan[{name!r}]={style!r}: positions shards LocallyConnected1d/2d, "
+                              f"not {type(module).__name__}")
+        positions = module.weight.shape[0]
+        if positions % tp:
+            raise ConfigError(f"strategy.tp={tp}: {name} has {positions} output positions, which do not divide "
+                              f"by tp {tp} (positions)")
+        return
     if style in SHARDS_OUTPUT + SHARDS_INPUT:
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise ConfigError(f"strategy.tp_plan[{name!r}]={style!r}: {style} shards nn.Linear or nn.Embedding, "
