@@ -80,7 +80,7 @@ class ActivationStore:
         nbytes = t.numel() * t.element_size()
         if nbytes < SMALL or t.device != self.device or t.layout != torch.strided:
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+        key = (id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                t._version)
         seen = self.seen.get(key)
         # The same tensor, still alive: once its memory is freed, another tensor

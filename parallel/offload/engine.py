@@ -136,24 +136,31 @@ def _return_freed_memory() -> None:
     libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
+def _norm(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's 2-norm as torch's clipping computes it (the foreach kernel), so that the clip factor
+    and every number after it equal strategy=single's."""
+    return torch.nn.utils.get_total_norm([grad], 2.0, foreach=True)
+
+
 class BufferPool:
-    """Up to `capacity` flat byte buffers of one size, allocated on first need and reused."""
+    """`capacity` flat byte buffers of one size, reused.
+
+    All of them are allocated at the start: the device memory the engine
+    holds is then the same from the first step on, whatever the timing of the
+    transfers (made on demand, the count would depend on how long writes keep
+    buffers busy), so a run that does not fit fails at once, and the planner's
+    prediction (parallel.planner) is what the run holds.
+    """
 
     def __init__(self, nbytes: int, device: torch.device, capacity: int):
         self.nbytes, self.device, self.capacity = nbytes, device, capacity
-        self.free: list[torch.Tensor] = []
-        self.made = 0
         self.cond = threading.Condition()
-        self.all: list[torch.Tensor] = []
+        self.all = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(capacity)]
+        self.free: list[torch.Tensor] = list(self.all)
 
     def take(self, wait: bool = True) -> torch.Tensor | None:
         with self.cond:
             while not self.free:
-                if self.made < self.capacity:
-                    self.made += 1
-                    buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-                    self.all.append(buf)
-                    return buf
                 if not wait:
                     return None
                 self.cond.wait()
@@ -242,7 +249,9 @@ class OffloadEngine:
         self.next_input: torch.Tensor | None = None  # handed over by the trainer for the next step
         self.pending_features: tuple[torch.Tensor, object] | None = None  # (input, its features' future)
         self.frozen_wait_s, self.frozen_ahead_steps = 0.0, 0
-        self.steps = {p: torch.zeros((), dtype=torch.float32) for p in self.params}  # AdamW's step counters
+        # AdamW's step counters, made as torch.optim.AdamW makes them (the planner's fake tensors can read
+        # a value made this way)
+        self.steps = {p: torch.tensor(0.0, dtype=torch.float32) for p in self.params}
         self.state_in_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (exp_avg, exp_avg_sq)
         self.grads_in_memory: dict[int, torch.Tensor] = {}  # block -> gradients waiting for the step
         self.resident_state: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -250,7 +259,8 @@ class OffloadEngine:
         self.coef: torch.Tensor | None = None
         self.optimizer: OffloadOptimizer | None = None
         self.phase = "forward"
-        self.bound: dict[int, Block] = {}  # storage address of a bound buffer -> its block
+        # id of a bound buffer's storage -> its block (pool buffers live for the whole run, so ids stay theirs)
+        self.bound: dict[int, Block] = {}
         try:
             self._write_initial(plan)
         except BaseException:
@@ -402,11 +412,11 @@ class OffloadEngine:
     def _bind(self, b: Block) -> None:
         for s in b.slots:
             s.param.data = s.view(b.buffer)
-        self.bound[b.buffer.untyped_storage().data_ptr()] = b
+        self.bound[id(b.buffer.untyped_storage())] = b
 
     def _unbind(self, b: Block) -> torch.Tensor:
         buf = b.buffer
-        self.bound.pop(buf.untyped_storage().data_ptr(), None)
+        self.bound.pop(id(buf.untyped_storage()), None)
         for s in b.slots:
             s.param.data = torch.empty(0, dtype=s.dtype, device=self.device)
         b.buffer, b.pending = None, None
@@ -463,7 +473,7 @@ class OffloadEngine:
             self._grads_done(b)
 
     def _resident_grad_ready(self, p: nn.Parameter) -> None:
-        self.norms[p] = torch.linalg.vector_norm(p.grad)
+        self.norms[p] = _norm(p.grad)
 
     def _grads_done(self, b: Block) -> None:
         """Every gradient of `b` is complete: hand them off and let the weights go (Note [offload engine])."""
@@ -472,7 +482,7 @@ class OffloadEngine:
         b.done = True
         slots = [s for s in b.trainable if s.param.grad is not None]
         for s in slots:
-            self.norms[s.param] = torch.linalg.vector_norm(s.param.grad)
+            self.norms[s.param] = _norm(s.param.grad)
         grads = self.pool.take()
         for s in slots:
             s.view(grads).copy_(s.param.grad)
@@ -676,12 +686,14 @@ class OffloadEngine:
     def _bound_owner(self, t: torch.Tensor) -> Block | None:
         if t.device != self.device:
             return None
-        return self.bound.get(t.untyped_storage().data_ptr())
+        return self.bound.get(id(t.untyped_storage()))
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (every parameter's, in model order); sets the clip factor the step applies."""
         norms = [self.norms[p] for p in self.params if p in self.norms]
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        # As parallel.optim.clip_grads computes it, to the last bit: the norm of the per-tensor norms, squared
+        # and rooted again.
+        total = (torch.linalg.vector_norm(torch.stack(norms)).float() ** 2).sqrt() if norms else torch.zeros(())
         if max_norm > 0:
             self.coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total

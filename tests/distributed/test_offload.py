@@ -93,7 +93,8 @@ def test_frozen_part_runs_while_the_head_trains(tmp_path):
 @pytest.mark.timeout(200)
 def test_peak_memory_is_bounded_by_block_size_and_prefetch(tmp_path):
     """16 blocks of 256 x 256: the offloaded peak is the buffer pool plus what the step itself
-    allocates (activations, temporaries), not the model's weights, gradients and AdamW state."""
+    allocates (activations, temporaries, and one block's gradients, which autograd makes before the
+    engine moves them into a pool buffer), not the model's weights, gradients and AdamW state."""
     wide = ["model.args.hidden=256", "model.args.depth=16", "trainer.batch_size=8"]
     ref = tmp_path / "single"
     cli.run(cli.FAST + wide + [f"run_dir={ref}"], cwd=tmp_path)
@@ -104,8 +105,8 @@ def test_peak_memory_is_bounded_by_block_size_and_prefetch(tmp_path):
     state = weights + single["optim_state_bytes_per_rank"][0] + weights  # + gradients
     step_own = single["mem_peak_bytes"] - state  # activations and temporaries of one step
     block = 256 * 256 * 4 + 256 * 4  # the largest block: one Linear(256, 256)
-    pool = 4 * (1 + 1) + 2  # buffers for prefetch=1 (parallel.offload.engine)
-    assert offload["mem_peak_bytes"] <= pool * block + step_own
+    pool = 4 * (1 + 1) + 2  # buffers for prefetch=1 (parallel.offload.engine), all allocated at the start
+    assert offload["mem_peak_bytes"] <= (pool + 1) * block + step_own
     assert offload["mem_peak_bytes"] < single["mem_peak_bytes"] / 3
 
 
