@@ -76,6 +76,11 @@ class _LocallyConnected(nn.Module):
         bound = 1.0 / math.sqrt(self.weight.shape[1])
         tensor.uniform_(-bound, bound, generator=generator)
 
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, input_size={self.input_size}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"bias={self.bias is not None}")
+
     def _apply_patches(self, patches: torch.Tensor, batch: int, out_shape: tuple[int, ...]) -> torch.Tensor:
         # patches: (P, N, C_in * K), contiguous (the one copy); one batched product for every position.
         if isinstance(self.weight, DTensor):  # PositionwiseParallel: this rank's positions only
@@ -124,11 +129,6 @@ class LocallyConnected1d(_LocallyConnected):
         patches = patches.reshape(self.output_size, n, self.in_channels * self.kernel_size)
         return self._apply_patches(patches, n, (self.output_size,))
 
-    def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, input_size={self.input_size}, "
-                f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
-                f"bias={self.bias is not None}")
-
 
 class LocallyConnected2d(_LocallyConnected):
     """(N, in_channels, H, W) -> (N, out_channels, H_out, W_out), one weight per output position.
@@ -163,11 +163,6 @@ class LocallyConnected2d(_LocallyConnected):
         patches = x.unfold(2, kh, sh).unfold(3, kw, sw).permute(2, 3, 0, 1, 4, 5)
         patches = patches.reshape(ho * wo, n, self.in_channels * kh * kw)
         return self._apply_patches(patches, n, self.output_size)
-
-    def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, input_size={self.input_size}, "
-                f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
-                f"bias={self.bias is not None}")
 
 
 # Hand-written because PyTorch's autograd collectives sum the output gradient
