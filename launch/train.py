@@ -41,6 +41,8 @@ def main(dcfg: DictConfig) -> None:
         worker(cfg_dict, None)  # rank 0 picks the run dir (Note [one run directory])
         return
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    if cfg.strategy.name == "auto":
+        cfg_dict = _choose(cfg, world, run_dir, started_by)
     if started_by is not None:
         worker(cfg_dict, run_dir)  # every task of the job has the same Hydra job directory
         return
@@ -52,6 +54,31 @@ def main(dcfg: DictConfig) -> None:
     except WorkerFailed as e:
         print(f"{e.traceback}\nerror: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
+    """strategy=auto: plan the candidates, print them ranked, keep the fastest that fits (parallel.auto)."""
+    import json
+    from pathlib import Path
+
+    from parallel.auto import choose, device_budget, table
+
+    try:
+        if started_by is not None:
+            raise ConfigError(f"strategy='auto': chooses before the workers start, and {started_by} has started "
+                              f"them; run `python launch/train.py strategy=auto nproc={world} ...` (or "
+                              f"launch/plan.py) once and start {started_by} with the strategy it picks")
+        chosen, found = choose(cfg, world, Path(run_dir))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(table(found, f"budget {device_budget(cfg, world) / 1e6:.2f} MB per rank"))
+    picked = next(c for c in found if c.dropped is None)
+    print(f"auto: running {picked.name} ({' '.join(picked.overrides)})")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    Path(run_dir, "auto.json").write_text(json.dumps(
+        {"chosen": picked.overrides, "candidates": [vars(c) for c in found]}, indent=2))
+    return OmegaConf.to_container(OmegaConf.structured(chosen), resolve=True)
 
 
 if __name__ == "__main__":

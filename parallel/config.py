@@ -259,8 +259,11 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_memory(cfg.memory)
 
     s = cfg.strategy
+    if s.name == "auto":  # each candidate is validated as it is tried (parallel.auto)
+        validate_model(cfg.model)
+        return
     if s.name not in STRATEGIES:
-        fail("strategy.name", s.name, "unknown strategy", sorted(STRATEGIES))
+        fail("strategy.name", s.name, "unknown strategy", sorted([*STRATEGIES, "auto"]))
     if s.zero not in ZERO_LEVELS:
         fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
     if s.name == "offload":

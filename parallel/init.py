@@ -107,6 +107,7 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, plan
         plan: `init_plan` of the unpartitioned model; by default, of `model` itself.
     """
     plan = plan if plan is not None else init_plan(model)
+    _plain_meta_parameters(model)
     slots = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
     model.to_empty(device=device)
     _retie(slots)
@@ -129,6 +130,27 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int, plan
         else:
             tensor.copy_(full)
     return model
+
+
+def _plain_meta_parameters(model: nn.Module) -> None:
+    """Turn fake meta parameters into plain meta ones, keeping ties.
+
+    The planner (parallel.planner) builds strategies under FakeTensorMode; a
+    module made there (a traced pipeline stage) holds fake parameters, which
+    `to_empty` can only move by swapping tensors, and FakeTensorMode's own weak
+    references forbid that swap. Plain meta parameters move without one.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if isinstance(p, FakeTensor) and p.device.type == "meta":
+                if id(p) not in made:
+                    with unset_fake_temporarily():
+                        made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                   requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
 
 
 def _retie(slots) -> None:

@@ -36,10 +36,14 @@ class Run:
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
 
 
-def build_run(cfg: Config, dims: ParallelDims, device: torch.device) -> Run:
-    """Build the model on the meta device, hand it to the strategy, and add the rest."""
-    mesh = dims.build_mesh(device.type)
-    model = build_meta_model(cfg.model)
+def build_run(cfg: Config, dims: ParallelDims, device: torch.device, mesh=None, model=None, data=None) -> Run:
+    """Build the model on the meta device, hand it to the strategy, and add the rest.
+
+    `mesh`, `model` (on meta) and `data` may come ready-made (the planner makes
+    them outside its fake-tensor mode).
+    """
+    mesh = dims.build_mesh(device.type) if mesh is None else mesh
+    model = build_meta_model(cfg.model) if model is None else model
     plan = init_plan(model)  # names -> initialization, taken before any partitioning
     engine = parallelize(model, mesh, cfg, device, plan)
     if hasattr(engine, "make_optimizer"):  # an engine that runs the step itself (offload)
@@ -47,7 +51,8 @@ def build_run(cfg: Config, dims: ParallelDims, device: torch.device) -> Run:
     else:
         optimizer = build_optimizer(engine.model, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
-    data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
+    if data is None:
+        data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
     # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, device, is_logger)

@@ -8,6 +8,7 @@ gradients are summed over the copies before the step, so the copies stay equal.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import time
 import warnings
@@ -40,6 +41,12 @@ class Split:
     pipe: object
     rows: list[dict] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)  # every candidate block, in forward order
+
+
+# Set by the planner (parallel.planner): stages get their shapes up front. Under fake
+# tensors and a fake process group PyTorch's first-step shape inference, which
+# runs placeholder values and exchanges their metadata between ranks, cannot run.
+STATIC_SHAPES: contextvars.ContextVar[bool] = contextvars.ContextVar("pipeline_static_shapes", default=False)
 
 
 def example_microbatch(cfg: Config, dp: int, device="meta") -> tuple:
@@ -239,6 +246,7 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
         chained = chain(split.pipe)  # Note [stage chain]
     except ValueError as e:
         raise ConfigError(f"strategy=pipeline: {e}") from None
+    shapes = _stage_shapes(chained, example_microbatch(cfg, mesh["dp"].size())) if STATIC_SHAPES.get() else None
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
@@ -250,7 +258,11 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
         materialize_and_init(mod, device, cfg.trainer.seed, plan)
         # Shapes are found at the first step (PyTorch's runtime inference); only
         # floating-point tensors cross stages (_float_boundaries), which that allows.
-        stages.append(PipelineStage(mod, i, len(chained), device, group=pp_group))
+        given = {}
+        if shapes:  # floating-point values carry gradients between stages; the shapes come without them
+            marked = [tuple(t.detach().requires_grad_(t.is_floating_point()) for t in ts) for ts in shapes[i]]
+            given = dict(input_args=marked[0], output_args=marked[1])
+        stages.append(PipelineStage(mod, i, len(chained), device, group=pp_group, **given))
         modules.append(mod)
     return stages, modules, _tie(split, mesh, modules, ranks, plan)
 

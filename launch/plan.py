@@ -1,0 +1,114 @@
+"""How much memory each rank will need, before running (see README, "Planning memory").
+
+    python launch/plan.py [the overrides train.py takes] world_size=N [plan.by_module=true] [plan.top=K]
+
+Builds the configured model and strategy under fake tensors and a fake process
+group, runs one training step symbolically for each rank role (Note [planner]
+in parallel/planner.py), prints a table and writes plan.json into the run
+dir. No GPU, no workers and no real memory are used. world_size defaults to
+nproc (or 1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from parallel.config import ConfigError, to_config, validate  # noqa: E402
+
+OPTIONS = {"world_size": None, "plan.by_module": False, "plan.top": 20}
+
+
+def _take_options(argv: list[str]) -> dict:
+    """Pull the planner's own options out of the command line; the rest is Hydra's."""
+    options = dict(OPTIONS)
+    keep = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in OPTIONS:
+            keep.append(arg)
+            continue
+        try:
+            if key == "plan.by_module":
+                if value.lower() not in ("true", "false"):
+                    raise ValueError
+                options[key] = value.lower() == "true"
+            else:
+                options[key] = int(value)
+                if options[key] < 1:
+                    raise ValueError
+        except ValueError:
+            rule = "must be true or false" if key == "plan.by_module" else "must be an integer >= 1"
+            print(f"config error: {key}={value!r}: {rule}", file=sys.stderr)
+            sys.exit(2)
+    argv[:] = keep
+    return options
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    text = ",".join(map(str, ranks))
+    return text if len(text) <= 16 else text[:13] + "..."
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    from parallel.planner import KINDS, plan
+
+    options = OPTIONS_GIVEN
+    try:
+        cfg = to_config(dcfg)
+        world = options["world_size"] or cfg.nproc or 1
+        cfg.nproc = None
+        validate(cfg, world)
+        plans = plan(cfg, world, by_module=options["plan.by_module"])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    os.makedirs(run_dir, exist_ok=True)
+    head = f"{'rank':>4}  {'ranks alike':<12}" + "".join(f"{k:>12}" for k in KINDS) + f"{'total':>12}  peak in"
+    print(f"plan: strategy={cfg.strategy.name} model={cfg.model._target_ or cfg.model.name} world_size={world} "
+          f"batch_size={cfg.trainer.batch_size} (bytes of live tensors at each rank's peak)")
+    print(head)
+    for p in plans:
+        where = p.peak_phase + (f" ({p.peak_module})" if p.peak_module else "")
+        print(f"{p.rank:>4}  {_ranks(p.same_as):<12}" + "".join(f"{_human(getattr(p, k)):>12}" for k in KINDS)
+              + f"{_human(p.total):>12}  {where}")
+    if options["plan.by_module"] and plans[0].by_module:
+        rows = plans[0].by_module[:options["plan.top"]]
+        print(f"\nby module, rank {plans[0].rank} (own parameters, saved for backward, forward temporaries), "
+              f"largest first:")
+        width = max(len(r["name"]) for r in rows)
+        print(f"{'module':<{width}}  {'type':<20}{'params':>12}{'saved':>12}{'temp':>12}{'total':>12}")
+        for r in rows:
+            print(f"{r['name']:<{width}}  {r['type'][:19]:<20}{_human(r['params']):>12}{_human(r['saved']):>12}"
+                  f"{_human(r['temp']):>12}{_human(r['total']):>12}")
+    record = {"world_size": world, "strategy": cfg.strategy.name, "ranks": [
+        {k: v for k, v in vars(p).items() if k != "by_module"} for p in plans]}
+    if options["plan.by_module"]:
+        record["by_module"] = plans[0].by_module
+    path = os.path.join(run_dir, "plan.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    OPTIONS_GIVEN = _take_options(sys.argv)
+    main()

@@ -1,0 +1,232 @@
+"""strategy=auto: plan every candidate way to spread the model, keep those that fit, run the fastest.
+
+# Note [auto]
+Candidates for W workers (the other strategy keys keep their defaults):
+    W = 1   single; offload with activations on the device, recomputed
+            (checkpoint) or on the tier below
+    W > 1   data with zero 0, 1, 2, 3; model (tensor parallel over W); pipeline
+            over W (balanced by parameters, so the run cuts where the plan did);
+            hybrid for every factorization of W into two degrees: dp x pp and
+            dp x tp, each with zero 0 and 3
+Each is validated (a candidate the model cannot take, say tensor parallelism on
+a model with no Linear pairs, is dropped with the reason) and planned
+(parallel.planner: its peak per rank, and the work of its step). Those whose
+largest rank peak exceeds `memory.budget` are dropped. The rest are ranked by
+a predicted step time:
+
+    compute    the rank's FLOPs in the planned step (torch's FlopCounterMode)
+               / R, the matmul rate measured in this process, times W / cores
+               when the workers outnumber the cores (they share them)
+    bubble     a pipeline's compute x (v*m + p - 1) / (v*m) (v stages per
+               rank, m microbatches, p pipeline ranks)
+    comm       bytes handed to collectives and sends in the step (an
+               all-reduce counted twice; DDP's bucket all-reduce added) / B,
+               the loopback bandwidth measured here (gloo on one machine)
+    transfers  bytes offload moves to and from its tiers / D, the disk
+               bandwidth measured here (0 when nothing goes to disk)
+    step       compute (with its bubble) + comm + transfers: no overlap assumed
+
+A simple model, stated: it ignores overlap, kernel efficiency at small sizes
+and network topology; its job is to rank plans that fit, and the table shows
+every term so a user can overrule it (run the one they prefer by name).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from parallel.config import Config, ConfigError, StrategyConfig, parse_bytes, validate
+
+
+@dataclass
+class Candidate:
+    name: str
+    overrides: list[str]
+    peak: int | None = None  # the largest rank's predicted peak, bytes
+    times: dict = field(default_factory=dict)  # compute, bubble, comm, transfers, step (seconds)
+    dropped: str | None = None  # why it does not run
+
+
+def candidates(world: int) -> list[Candidate]:
+    """The strategies tried for `world` workers (Note [auto])."""
+    if world == 1:
+        return [Candidate("single", ["strategy=single"])] + [
+            Candidate(f"offload, activations {a}", ["strategy=offload", f"strategy.activations={a}"])
+            for a in ("device", "checkpoint", "auto")]
+    out = [Candidate(f"data zero {z}", ["strategy=data", f"strategy.zero={z}"]) for z in range(4)]
+    out.append(Candidate(f"model tp{world}", ["strategy=model"]))
+    out.append(Candidate(f"pipeline pp{world}", ["strategy=pipeline", "strategy.balance=params"]))
+    for a in range(2, world):
+        if world % a:
+            continue
+        b = world // a
+        for other in ("pp", "tp"):
+            for z in (0, 3):
+                extra = ["strategy.balance=params"] if other == "pp" else []
+                out.append(Candidate(f"hybrid dp{a} x {other}{b} zero {z}",
+                                     ["strategy=hybrid", f"strategy.dp={a}", f"strategy.{other}={b}",
+                                      f"strategy.zero={z}", *extra]))
+    return out
+
+
+def _apply(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with a fresh strategy section set by `overrides` (strategy=NAME, strategy.KEY=VALUE)."""
+    c = copy.deepcopy(cfg)
+    c.strategy = StrategyConfig(schedule=cfg.strategy.schedule, microbatches=cfg.strategy.microbatches)
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key == "strategy":
+            c.strategy.name = value
+            continue
+        attr = key.split(".", 1)[1]
+        current = getattr(c.strategy, attr)
+        setattr(c.strategy, attr, int(value) if isinstance(current, int) or current is None and value.isdigit()
+                else value)
+    return c
+
+
+def device_budget(cfg: Config, world: int) -> int:
+    """memory.budget, or the device's memory: a GPU's, or on the CPU this machine's RAM shared by the workers."""
+    if cfg.memory.budget is not None:
+        return parse_bytes(cfg.memory.budget)
+    if cfg.trainer.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+
+
+def matmul_rate(seconds: float = 0.3) -> float:
+    """FLOP/s of float32 matrix products on this process's CPU threads."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
+
+
+def loopback_bandwidth(nbytes: int = 32 << 20) -> float:
+    """Bytes/s through a local socket pair: what gloo between processes of one machine rides on."""
+    left, right = socket.socketpair()
+    payload, got = b"\0" * (1 << 20), [0]
+
+    def receive():
+        while got[0] < nbytes:
+            chunk = right.recv(1 << 20)
+            if not chunk:
+                break
+            got[0] += len(chunk)
+
+    reader = threading.Thread(target=receive)
+    t0 = time.perf_counter()
+    reader.start()
+    for _ in range(nbytes // len(payload)):
+        left.sendall(payload)
+    reader.join()
+    elapsed = time.perf_counter() - t0
+    left.close()
+    right.close()
+    return nbytes / elapsed
+
+
+def disk_bandwidth(directory: Path, nbytes: int = 64 << 20) -> float:
+    """Bytes/s of writing then reading back a file in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path, block = directory / ".auto-bandwidth", os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(nbytes >> 20):
+            f.write(block)
+    with open(path, "rb", buffering=0) as f:
+        while f.read(1 << 20):
+            pass
+    elapsed = time.perf_counter() - t0
+    path.unlink()
+    return 2 * nbytes / elapsed
+
+
+def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Config, list[Candidate]]:
+    """The fastest candidate that fits; every candidate with its figures or the reason it was dropped.
+
+    Raises:
+        ConfigError: when no candidate fits the budget (naming the smallest peak).
+    """
+    from parallel.planner import plan
+
+    budget = device_budget(cfg, world)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = max(1.0, world * torch.get_num_threads() / cores)
+    rate, bandwidth = matmul_rate(), loopback_bandwidth()
+    disk = disk_bandwidth(Path(run_dir)) if world == 1 else None
+    progress(f"auto: budget {budget / 1e6:.1f} MB per rank; measured {rate / 1e9:.1f} GFLOP/s, "
+             f"loopback {bandwidth / 1e9:.2f} GB/s" + (f", disk {disk / 1e9:.2f} GB/s" if disk else ""))
+    quiet = logging.getLogger("parallel")
+    level = quiet.level
+    found = candidates(world)
+    for i, cand in enumerate(found, 1):
+        c = _apply(cfg, cand.overrides)
+        c.run_dir = str(run_dir)
+        quiet.setLevel(logging.WARNING)  # the strategies' own build messages, once per candidate
+        try:
+            validate(c, world)
+            plans = plan(c, world)
+        except ConfigError as e:
+            cand.dropped = f"does not apply: {e}"
+        except Exception as e:  # noqa: BLE001 - a candidate the planner cannot take is one option less
+            cand.dropped = f"could not be planned: {type(e).__name__}: {e}"
+        finally:
+            quiet.setLevel(level)
+        if cand.dropped is None:
+            cand.peak = max(p.total for p in plans)
+            s = c.strategy
+            worst = max(plans, key=lambda p: p.flops)
+            compute = worst.flops / rate * share
+            bubble = 0.0
+            if s.name == "pipeline" or (s.name == "hybrid" and (s.pp or 1) > 1):
+                v, m, pp = s.stages_per_rank or 1, s.microbatches or 1, s.pp or 1
+                bubble = compute * (pp - 1) / (v * m)
+            comm = max(p.comm_bytes for p in plans) / bandwidth
+            transfers = max(p.io_bytes for p in plans) / disk if disk and s.name == "offload" else 0.0
+            cand.times = {"compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,
+                          "step": compute + bubble + comm + transfers}
+            if cand.peak > budget:
+                cand.dropped = f"peak {cand.peak / 1e6:.2f} MB > budget {budget / 1e6:.2f} MB"
+        state = cand.dropped or f"peak {cand.peak / 1e6:.2f} MB, step {cand.times['step'] * 1e3:.1f} ms"
+        progress(f"auto: [{i}/{len(found)}] {cand.name}: {state}")
+    fits = sorted((c for c in found if c.dropped is None), key=lambda c: c.times["step"])
+    if not fits:
+        planned = [c for c in found if c.peak is not None]
+        if not planned:
+            raise ConfigError("strategy=auto: no candidate could be planned "
+                              f"({'; '.join(f'{c.name}: {c.dropped}' for c in found)})")
+        smallest = min(planned, key=lambda c: c.peak)
+        raise ConfigError(f"memory.budget={cfg.memory.budget or f'{budget} (the device)'}: no plan fits; the "
+                          f"smallest is {smallest.name} ({' '.join(smallest.overrides)}) needing "
+                          f"{smallest.peak / 1e6:.2f} MB per rank")
+    chosen = _apply(cfg, fits[0].overrides)
+    chosen.run_dir = cfg.run_dir
+    validate(chosen, world)
+    return chosen, sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
+
+
+def table(found: list[Candidate], budget_note: str = "") -> str:
+    """The ranked candidates as text: the chosen one first."""
+    lines = [f"{'':2}{'candidate':<34}{'peak MB':>9}{'compute ms':>11}{'bubble ms':>10}{'comm ms':>9}"
+             f"{'io ms':>8}{'step ms':>9}  {budget_note}"]
+    for i, c in enumerate(found):
+        mark = "->" if i == 0 and c.dropped is None else "  "
+        if c.times:
+            t = {k: v * 1e3 for k, v in c.times.items()}
+            lines.append(f"{mark}{c.name:<34}{c.peak / 1e6:>9.2f}{t['compute']:>11.1f}{t['bubble']:>10.1f}"
+                         f"{t['comm']:>9.1f}{t['transfers']:>8.1f}{t['step']:>9.1f}  {c.dropped or ''}")
+        else:
+            lines.append(f"{mark}{c.name:<34}{'-':>9}{'':>56}  {c.dropped}")
+    return "\n".join(lines)

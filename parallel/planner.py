@@ -1,0 +1,486 @@
+"""Memory before running: one training step of each rank role, under fake tensors and a fake process group.
+
+# Note [planner]
+`plan(cfg, world_size)` builds the configured model and strategy exactly as a
+worker does (`parallel.trainer.build_run`), but under PyTorch's FakeTensorMode
+(tensors with shapes, dtypes and storages, and no memory) and its "fake"
+process-group backend (collectives that move nothing), and runs two training
+steps (forward, backward, clipping, the optimizer step): the first makes the
+optimizer state, the second holds it as every later step does. The peak is
+the larger of the two, as the trainer's measured peak is over its steps. No GPU, no workers, no
+real memory: a model far larger than this machine can be planned.
+
+The step is counted by the same tracker that measures the trainer's
+`mem_peak_bytes` on the CPU (`parallel.memory.tracker.LiveTensorBytes`: the
+live tensor storages, each once), so prediction and measurement count the same
+thing. At the peak the live storages are sorted into kinds:
+
+    params       the model's parameters (FSDP's gathered ones included)
+    grads        tensors that are some parameter's .grad
+    optimizer    the optimizer's state
+    activations  tensors autograd saved for backward
+    temp         everything else (outputs, workspace, communication buffers)
+
+and the phase (forward, backward, clip, optimizer) and the module running then
+are recorded. Ranks that do the same work (every data- or tensor-parallel
+rank) are planned once: the roles are one per pipeline stage.
+
+`by_module` (plan.by_module=true) lists, for each module: its own parameters,
+the bytes saved for backward while it ran (each storage once), and its
+temporaries in forward (the most that was live while it ran, less what was
+still live when it returned), largest first.
+
+Not covered: the CUDA caching allocator's rounding and fragmentation (the
+plan counts tensors, as the CPU measurement does); memory a strategy holds
+outside tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.config import Config, ConfigError, build_meta_model, resolve
+from parallel.dims import ParallelDims
+from parallel.memory.tracker import LiveTensorBytes, _local, state_tensors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+KINDS = ("params", "grads", "optimizer", "activations", "temp")
+
+
+@dataclass
+class ModuleMemory:
+    name: str
+    type: str
+    params: int = 0
+    saved: int = 0
+    temp: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.saved + self.temp
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    same_as: list[int]  # the ranks with this rank's role
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    temp: int
+    total: int
+    peak_phase: str
+    peak_module: str | None
+    by_module: list[dict] = field(default_factory=list)
+    # The work of the step, for strategy=auto's cost model (parallel.auto):
+    flops: int = 0  # forward + backward + optimizer, as torch's FlopCounterMode counts them
+    comm_bytes: int = 0  # handed to collectives and point-to-point sends (an all-reduce counts twice)
+    io_bytes: int = 0  # moved to and from offload's tiers
+
+
+class _PeakTracker(LiveTensorBytes):
+    """Live tensor bytes, sorted into kinds at the peak, with the phase and module of the peak."""
+
+    def __init__(self, device_type: str, model: nn.Module, optimizer, engine):
+        super().__init__(device_type)
+        self.model, self.optimizer, self.engine = model, optimizer, engine
+        self.phase = "setup"
+        self.modules: list[str] = []  # names of the modules running, innermost last
+        self.saved: dict[int, weakref.ref] = {}  # storages autograd saved
+        self.kinds = dict.fromkeys(KINDS, 0)
+        self.peak_phase, self.peak_module = "setup", None
+        self.watch: list[list[int]] = []  # [peak since entry, entry] per running module (forward)
+
+    def _update(self) -> None:
+        current = self.current
+        for frame in self.watch:
+            frame[0] = max(frame[0], current)
+        if current > self.peak:
+            self.peak = current
+            self._sort()
+            in_backward = torch._C._current_graph_task_id() != -1
+            self.peak_phase = "backward" if in_backward and self.phase == "forward" else self.phase
+            self.peak_module = self.modules[-1] if self.modules else None
+
+    def _storages(self, tensors) -> set[int]:
+        out = set()
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                try:
+                    out.add(id(_local(t).untyped_storage()))
+                except (RuntimeError, NotImplementedError):
+                    pass
+        return out
+
+    def _sort(self) -> None:
+        params = self._storages(self.model.parameters())
+        grads = self._storages(p.grad for p in self.model.parameters() if p.grad is not None)
+        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
+        opt = self._storages(t for s in optimizer.state.values() for t in s.values())
+        opt |= self._storages(getattr(self.engine, "resident_tensors", list)())
+        kinds = dict.fromkeys(KINDS, 0)
+        for key, ref in self._refs.items():
+            st = ref()
+            if st is None:
+                continue
+            n = st.nbytes()
+            if key in params:
+                kinds["params"] += n
+            elif key in grads:
+                kinds["grads"] += n
+            elif key in opt:
+                kinds["optimizer"] += n
+            elif key in self.saved and self.saved[key]() is st:
+                kinds["activations"] += n
+            else:
+                kinds["temp"] += n
+        self.kinds = kinds
+
+    def pack(self, t: torch.Tensor):
+        try:
+            st = _local(t).untyped_storage()
+            self.saved[id(st)] = weakref.ref(st)
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+
+class _ModuleWatch:
+    """Per module: own parameters, bytes saved for backward while it ran, forward temporaries."""
+
+    def __init__(self, model: nn.Module, tracker: _PeakTracker):
+        self.tracker = tracker
+        self.names = {id(m): n or "(root)" for n, m in model.named_modules()}
+        self.rows = {id(m): ModuleMemory(self.names[id(m)], type(m).__name__,
+                                         params=sum(_local(p).numel() * p.element_size()
+                                                    for p in m.parameters(recurse=False)))
+                     for m in model.modules()}
+        self.by_name = {r.name: r for r in self.rows.values()}
+        self.params = tracker._storages(model.parameters())
+        self.seen: dict[str, set[int]] = {}
+        self.handles = []
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, module, args):
+        if id(module) not in self.names:
+            return
+        self.tracker.modules.append(self.names[id(module)])
+        current = self.tracker.current
+        self.tracker.watch.append([current, current])
+
+    def _post(self, module, args, output):
+        if id(module) not in self.names or not self.tracker.watch:
+            return
+        peak, _ = self.tracker.watch.pop()
+        self.tracker.modules.pop()
+        row = self.rows[id(module)]
+        row.temp = max(row.temp, peak - self.tracker.current)
+
+    def record_saved(self, t: torch.Tensor) -> None:
+        if not self.tracker.modules:
+            return
+        name = self.tracker.modules[-1]
+        try:
+            st = _local(t).untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        seen = self.seen.setdefault(name, set())
+        if id(st) not in seen and id(st) not in self.params:  # a saved weight is counted as a parameter
+            seen.add(id(st))
+            self.by_name[name].saved += st.nbytes()
+
+    def table(self) -> list[ModuleMemory]:
+        rows = [r for r in self.rows.values() if r.total > 0]
+        return sorted(rows, key=lambda r: -r.total)
+
+
+def roles(cfg: Config, dims: ParallelDims) -> list[tuple[int, list[int]]]:
+    """(the rank planned, the ranks sharing its role): one per pipeline stage; dp and tp ranks are alike."""
+    out = []
+    for stage in range(dims.pp):
+        rank = stage * dims.tp  # dp 0, this stage, tp 0 (mesh order dp, pp, tp)
+        same = [d * dims.pp * dims.tp + stage * dims.tp + t for d in range(dims.dp) for t in range(dims.tp)]
+        out.append((rank, same))
+    return out
+
+
+def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False) -> RankPlan:
+    """One training step of `rank`, under fake tensors and a fake process group (Note [planner])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    # The fake backend registers itself on import; it lives in torch's testing package.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallel.data.synthetic import SyntheticData
+    from parallel.trainer import build_run
+
+    device = torch.device("cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        # Outside the fake mode: the mesh (its setup reads values) and the meta model (moving a model
+        # built under the fake mode off meta fails), and the data (it reads values too).
+        mesh = dims.build_mesh(device.type)
+        model = build_meta_model(cfg.model)
+        dp_rank = mesh["dp"].get_local_rank()
+        data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
+        ddp, io = _DDPStandIn(), [0]
+        with FakeTensorMode(allow_non_fake_inputs=True), ddp.patched(), _untimed_pipeline_split(), \
+                _pipeline_without_inference(), _offload_without_io(io), _meshes_outside_fake():
+            run = build_run(cfg, dims, device, mesh=mesh, model=model, data=data)
+            # Two steps, each counted as the trainer counts a watched step: what exists at its start
+            # (weights, optimizer state, the engine's buffers), plus what it makes. The first step makes
+            # the optimizer state; the second holds it, as every later step does.
+            flops, comm = FlopCounterMode(display=False), _CommBytes()
+            counted = [_count_step(run, step, flops, comm, by_module) for step in (1, 2)]
+            tracker, modules = max(counted, key=lambda tm: tm[0].peak)
+            flops_per_step = flops.get_total_flops() // 2
+            comm.bytes //= 2
+            io[0] //= 2
+            close = getattr(run.engine, "close", None)
+            if close is not None:
+                close()
+    finally:
+        dist.destroy_process_group()
+    k = tracker.kinds
+    buckets = ddp.bucket_bytes()
+    k["grads"] += buckets
+    rows = [asdict(r) | {"total": r.total} for r in modules.table()] if modules is not None else []
+    return RankPlan(rank=rank, same_as=[], params=k["params"], grads=k["grads"], optimizer=k["optimizer"],
+                    activations=k["activations"], temp=k["temp"], total=tracker.peak + buckets,
+                    peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
+                    flops=flops_per_step, comm_bytes=comm.bytes + 2 * buckets if dims.dp > 1 else comm.bytes,
+                    io_bytes=io[0])
+
+
+class _CommBytes(TorchDispatchMode):
+    """Bytes of the tensors handed to c10d's collectives and sends while active (an all-reduce sends
+    about twice its size around a ring, so it counts twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and "recv" not in func.__name__:
+            size = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor))
+            self.bytes += size * (2 if "allreduce" in func.__name__ or "all_reduce" in func.__name__ else 1)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _pipeline_without_inference():
+    """Pipeline stages built with their shapes given (no first-step inference, which exchanges values
+    between ranks) and without the schedule's warm-up vote between neighbours (it reads a received value):
+    every stage is told its shapes are static."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    import parallel.strategies.pipeline as pipeline
+
+    def warmup(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    token = pipeline.STATIC_SHAPES.set(True)
+    saved = schedules._PipelineSchedule._warmup_p2p, pipeline.dist.broadcast_object_list
+    schedules._PipelineSchedule._warmup_p2p = warmup
+    # Rank 0's split is broadcast to the others; a fake broadcast delivers nothing, and every planned
+    # rank computes the same split from FLOPs anyway.
+    pipeline.dist.broadcast_object_list = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p, pipeline.dist.broadcast_object_list = saved
+        pipeline.STATIC_SHAPES.reset(token)
+
+
+@contextlib.contextmanager
+def _meshes_outside_fake():
+    """Device meshes made while building (FSDP over tensor-parallel parameters joins two) compute their
+    coordinates with tensor ops on real values: run their construction outside the fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
+
+
+@contextlib.contextmanager
+def _untimed_pipeline_split():
+    """The pipeline balancer times blocks on real copies; under fake tensors there is nothing to time,
+    so it weighs them by FLOPs (as it does for blocks too large to copy). A run balanced by time may cut
+    elsewhere: strategy.split_points (or balance=params) makes the two agree."""
+    import parallel.strategies.partition as partition
+
+    saved = partition.measure
+    partition.measure = lambda model, names, inputs, **kwargs: saved(model, names, inputs, measure_limit_bytes=-1)
+    try:
+        yield
+    finally:
+        partition.measure = saved
+
+
+class _InlineExecutor:
+    """Runs what the offload engine hands its threads at once, on the calling thread: fake tensors
+    cannot be used by two threads at a time. Outside the trackers, as on a thread of its own, where the
+    trainer's measurement (thread-local) does not see it either."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        future = Future()
+        try:
+            with _disable_current_modes():
+                future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, as a thread's future would
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, *args, **kwargs):
+        pass
+
+
+@contextlib.contextmanager
+def _offload_without_io(moved: list[int]):
+    """strategy=offload with its transfers left out: fake tensors have no bytes to write or read. What
+    stays on the device (its buffer pool, what the step allocates) is what the plan counts; an activation
+    read back is a new tensor of its shape, as the real read allocates one."""
+    import parallel.offload.activations as activations
+    import parallel.offload.engine as engine
+    import parallel.offload.tiers as tiers
+
+    def count(t: torch.Tensor) -> None:
+        moved[0] += t.numel() * t.element_size()
+
+    def read_back(store, h):
+        h.tensor, h.pending = torch.empty(h.shape, dtype=h.dtype, device=store.device), None
+        count(h.tensor)
+
+    patches = [(engine, "ThreadPoolExecutor", _InlineExecutor),
+               (tiers.DiskTier, "write", lambda self, key, src: count(src)),
+               (tiers.DiskTier, "read", lambda self, key, dst: count(dst)),
+               (activations.ActivationStore, "_write", lambda self, h, src: count(src)),
+               (activations.ActivationStore, "_start_read", read_back),
+               (engine, "check_disk", lambda path, nbytes: None)]  # the plan may be for another machine
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+class _DDPStandIn:
+    """DDP cannot run on fake tensors (its C++ reducer checks and hooks read tensor data), so while
+    planning `replicate` leaves the model as it is and the plan adds what DDP itself holds: its gradient
+    buckets, one flat copy of the trainable parameters' gradients, alive for the whole run."""
+
+    def __init__(self):
+        self.models: list[nn.Module] = []
+
+    @contextlib.contextmanager
+    def patched(self):
+        import parallel.strategies.data as data
+
+        saved = data.replicate
+        data.replicate = lambda model, **kwargs: self.models.append(model) or model
+        try:
+            yield self
+        finally:
+            data.replicate = saved
+
+    def bucket_bytes(self) -> int:
+        return sum(_local(p).numel() * p.element_size() for m in self.models for p in m.parameters()
+                   if p.requires_grad)
+
+
+def _count_step(run, step: int, flops, comm, by_module: bool):
+    """One training step under a fresh tracker (and the module watch with `by_module`): (tracker, watch)."""
+    tracker = _PeakTracker(run.device.type, run.engine.model, run.optimizer, run.engine)
+    tracker.track(state_tensors(run.engine.model, run.optimizer))
+    tracker.track(getattr(run.engine, "resident_tensors", list)())
+    modules = _ModuleWatch(run.engine.model, tracker) if by_module else None
+
+    def pack(t):
+        tracker.pack(t)
+        if modules is not None:
+            modules.record_saved(t)
+        return t
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(_ModuleWatch(run.engine.model, tracker) if modules is None else modules)
+        stack.enter_context(flops)
+        stack.enter_context(comm)
+        stack.enter_context(tracker)
+        _phased_step(run, tracker, step)
+    return tracker, modules
+
+
+def _phased_step(run, tracker, step: int) -> None:
+    """parallel.trainer.train_step, with the tracker (any object with a `phase`) told which phase runs."""
+    tracker.phase = "data"
+    x, y = run.data.batch(step, run.device)  # inside the count, as in the trainer's measured step
+    tracker.phase = "forward"  # backward is told apart while it runs (autograd's graph task)
+    run.engine.forward_backward(x, y)
+    tracker.phase = "clip"
+    run.engine.clip(run.cfg.trainer.clip_grad_norm)
+    tracker.phase = "optimizer"
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan]:
+    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size`."""
+    resolve(cfg, world_size)
+    dims = ParallelDims.from_config(cfg.strategy, world_size)
+    if dims.pp > 1 and dims.tp > 1:
+        # The stages are given their boundary shapes up front (_pipeline_without_inference); with tensor
+        # parallelism inside a stage those are the sharded ones, which the planner does not derive yet.
+        raise ConfigError(f"strategy.pp={dims.pp}, strategy.tp={dims.tp}: the planner does not cover tensor "
+                          f"parallelism inside pipeline stages yet (plan pp x dp, or tp x dp)")
+    out = []
+    with contextlib.ExitStack() as stack:
+        if cfg.run_dir is None:  # offload makes its (here empty) directory there
+            import tempfile
+
+            cfg.run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
+        for i, (rank, same) in enumerate(roles(cfg, dims)):
+            p = plan_rank(cfg, dims, rank, by_module=by_module and i == 0)
+            p.same_as = same
+            out.append(p)
+    return out

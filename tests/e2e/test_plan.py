@@ -1,0 +1,99 @@
+"""launch/plan.py: the memory each rank will need, predicted before running, against what the run measures."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import cli
+
+PLAN = str(cli.ROOT / "launch" / "plan.py")
+# Activations matter at this batch (the peak falls in backward for most strategies).
+BIG = ["trainer.batch_size=512"]
+GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16",
+       "trainer.batch_size=16"]
+
+# name -> (world size, overrides); the same overrides go to train.py and plan.py
+CASES = {
+    "single": (1, BIG),
+    "data_zero0": (2, BIG + ["strategy=data"]),
+    "data_zero3": (2, BIG + ["strategy=data", "strategy.zero=3"]),
+    "model_gpt": (2, GPT + ["strategy=model"]),
+    # At batch 1024: the last stage is predicted high by about its optimizer state (README, Planning memory).
+    "pipeline_1f1b": (2, ["trainer.batch_size=1024", "strategy=pipeline", "strategy.balance=params"]),
+    "offload_disk": (1, BIG + ["strategy=offload", "strategy.activations=disk"]),
+    "user_model_zero3": (2, BIG + ["model=custom", "model._target_=tests.user_model.two_tower", "strategy=data",
+                                   "strategy.zero=3"]),
+}
+
+
+def plan(args: list[str], cwd, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, PLAN, *args], cwd=cwd, env=cli.env(), capture_output=True, text=True,
+                          timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"plan.py {args} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", list(CASES))
+def test_predicted_peak_is_within_10_percent_of_the_measured_one(tmp_path, case):
+    world, args = CASES[case]
+    measured_dir, plan_dir = tmp_path / "run", tmp_path / "plan"
+    # Two steps, each watched: the second holds the optimizer state the first made.
+    cli.run(args + [f"nproc={world}", "trainer.steps=2", "trainer.log_every=1", "trainer.progress=false",
+                    f"run_dir={measured_dir}"], cwd=tmp_path)
+    out = plan(args + [f"world_size={world}", f"run_dir={plan_dir}"], cwd=tmp_path)
+    assert "total" in out.stdout and "peak in" in out.stdout  # the table
+    measured = cli.metrics(measured_dir)[-1]["mem_peak_bytes_per_rank"]
+    ranks = json.loads((plan_dir / "plan.json").read_text())["ranks"]
+    assert sorted(r for p in ranks for r in p["same_as"]) == list(range(world))  # every rank has a role
+    for p in ranks:
+        kinds = [p[k] for k in ("params", "grads", "optimizer", "activations", "temp")]
+        assert sum(kinds) == p["total"] and min(kinds) >= 0
+        for r in p["same_as"]:
+            assert abs(p["total"] / measured[r] - 1) <= 0.10, (case, r, p["total"], measured[r])
+
+
+@pytest.mark.timeout(60)
+def test_plan_for_64_ranks_runs_here_in_under_a_minute(tmp_path):
+    plan(["strategy=data", "strategy.zero=3", "world_size=64", "trainer.batch_size=64", f"run_dir={tmp_path}"],
+         cwd=tmp_path)
+    ranks = json.loads((tmp_path / "plan.json").read_text())["ranks"]
+    assert len(ranks) == 1 and ranks[0]["same_as"] == list(range(64))
+    # Sharded over 64: each rank holds about 1/64 of the weights (the mlp's 19,012 fp32 parameters).
+    assert ranks[0]["params"] < 19012 * 4 / 16
+
+
+def test_pipeline_plan_has_a_row_per_stage(tmp_path):
+    plan(["strategy=pipeline", "strategy.balance=params", "world_size=4", f"run_dir={tmp_path}"], cwd=tmp_path)
+    ranks = json.loads((tmp_path / "plan.json").read_text())["ranks"]
+    assert [p["rank"] for p in ranks] == [0, 1, 2, 3] and all(p["params"] > 0 for p in ranks)
+
+
+def test_by_module_report_lists_the_locally_connected_layer(tmp_path):
+    """model=local at the user's sizes (feature size 5000, batch 40): per module, largest first."""
+    out = plan(["model=local", "trainer.batch_size=40", "plan.by_module=true", f"run_dir={tmp_path}"], cwd=tmp_path)
+    assert "by module" in out.stdout
+    rows = json.loads((tmp_path / "plan.json").read_text())["by_module"]
+    totals = [r["total"] for r in rows]
+    assert totals == sorted(totals, reverse=True)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["local"]["type"] == "LocallyConnected2d"
+    assert by_name["local"]["params"] == (5000 * 4 + 5000) * 4  # one 4-weight kernel and a bias per position
+    # Saved for backward: one copy of its input's patches (positions x batch x channels), not one per position.
+    assert by_name["local"]["saved"] == 5000 * 40 * 4 * 4
+    assert by_name["head"]["params"] == (5000 + 1) * 4
+
+
+@pytest.mark.parametrize("args,message", [
+    (["strategy=data", "strategy.dp=3", "world_size=4"], "strategy.dp=3"),
+    (["world_size=0"], "world_size='0'"),
+    (["plan.by_module=maybe"], "plan.by_module='maybe'"),
+    (["strategy=hybrid", "strategy.pp=2", "strategy.tp=2", "world_size=4"], "strategy.pp=2, strategy.tp=2"),
+])
+def test_bad_input_is_a_config_error_naming_the_key(tmp_path, args, message):
+    proc = plan(args + [f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "config error" in proc.stderr and message in proc.stderr
+    assert "Traceback" not in proc.stderr
