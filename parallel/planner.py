@@ -44,11 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
 from parallel.config import Config, ConfigError, build_meta_model, resolve
 from parallel.dims import ParallelDims
 from parallel.memory.tracker import LiveTensorBytes, _local, state_tensors
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 KINDS = ("params", "grads", "optimizer", "activations", "temp")
 
@@ -96,7 +97,7 @@ class _PeakTracker(LiveTensorBytes):
         self.saved: dict[int, weakref.ref] = {}  # storages autograd saved
         self.kinds = dict.fromkeys(KINDS, 0)
         self.peak_phase, self.peak_module = "setup", None
-        self.watch: list[list[int]] = []  # [peak since entry, entry] per running module (forward)
+        self.watch: list[list[int]] = []  # [the most live since it began] per running module (forward)
 
     def _update(self) -> None:
         current = self.current
@@ -181,13 +182,12 @@ class _ModuleWatch:
         if id(module) not in self.names:
             return
         self.tracker.modules.append(self.names[id(module)])
-        current = self.tracker.current
-        self.tracker.watch.append([current, current])
+        self.tracker.watch.append([self.tracker.current])
 
     def _post(self, module, args, output):
         if id(module) not in self.names or not self.tracker.watch:
             return
-        peak, _ = self.tracker.watch.pop()
+        (peak,) = self.tracker.watch.pop()
         self.tracker.modules.pop()
         row = self.rows[id(module)]
         row.temp = max(row.temp, peak - self.tracker.current)
@@ -210,7 +210,7 @@ class _ModuleWatch:
         return sorted(rows, key=lambda r: -r.total)
 
 
-def roles(cfg: Config, dims: ParallelDims) -> list[tuple[int, list[int]]]:
+def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
     """(the rank planned, the ranks sharing its role): one per pipeline stage; dp and tp ranks are alike."""
     out = []
     for stage in range(dims.pp):
@@ -479,7 +479,7 @@ def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan
             import tempfile
 
             cfg.run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
-        for i, (rank, same) in enumerate(roles(cfg, dims)):
+        for i, (rank, same) in enumerate(roles(dims)):
             p = plan_rank(cfg, dims, rank, by_module=by_module and i == 0)
             p.same_as = same
             out.append(p)
