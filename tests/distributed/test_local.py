@@ -26,17 +26,12 @@ def single(tmp_path_factory):
 def test_local_model_matches_single(single, tmp_path, case):
     cli.run(cli.FAST + LOCAL + CASES[case] + [f"run_dir={tmp_path}"], cwd=tmp_path)
     cli.assert_same_training(tmp_path, single)
-
-
-@pytest.mark.timeout(200)
-def test_positions_style_shards_the_locally_connected_weights(tmp_path):
-    """Under strategy=model the layer's weights are split over the ranks: half per rank."""
-    cli.run(cli.FAST + LOCAL + ["nproc=2", "strategy=model", f"run_dir={tmp_path}"], cwd=tmp_path)
-    per_rank = cli.metrics(tmp_path)[-1]["param_bytes_per_rank"]
-    positions = 100
-    local = positions * 4 * 4 + positions * 4  # weight (P, 4, 1) and bias (1, P), float32
-    rest = (4 * 2 + 4 + positions + 1) * 4  # conv and head, whole on every rank
-    assert per_rank == [local // 2 + rest] * 2
+    if case == "positions_split_over_two_ranks":  # the layer's weights are split: half per rank
+        per_rank = cli.metrics(tmp_path)[-1]["param_bytes_per_rank"]
+        positions = 100
+        local = positions * 4 * 4 + positions * 4  # weight (P, 4, 1) and bias (1, P), float32
+        rest = (4 * 2 + 4 + positions + 1) * 4  # conv and head, whole on every rank
+        assert per_rank == [local // 2 + rest] * 2
 
 
 def test_positions_must_divide_by_tp(tmp_path):
