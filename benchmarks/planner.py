@@ -33,7 +33,11 @@ STRATEGIES = {
     "data zero3": (2, ["strategy=data", "strategy.zero=3"], 3),
     "model tp2": (2, ["strategy=model"], None),
     "pipeline 1F1B": (2, ["strategy=pipeline", "strategy.balance=params"], None),
+    "pipeline interleaved": (2, ["strategy=pipeline", "strategy.schedule=Interleaved1F1B"], None),
     "hybrid dp2 x pp2": (4, ["strategy=hybrid", "strategy.dp=2", "strategy.pp=2", "strategy.balance=params"], None),
+    "hybrid dp2 x tp2 z3": (4, ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.zero=3"], None),
+    "hybrid pp2 x tp2": (4, ["strategy=hybrid", "strategy.pp=2", "strategy.tp=2", "strategy.balance=params"], None),
+    "data zero3 recompute": (2, ["strategy=data", "strategy.zero=3", "strategy.activations=checkpoint"], 3),
     "offload": (1, ["strategy=offload", "strategy.activations=disk"], None),
 }
 
@@ -79,7 +83,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.json"))
     a = ap.parse_args()
     rows = []
-    print(f"{'hidden':>6} {'strategy':<18} {'rank':>4} {'predicted MB':>12} {'measured MB':>11} {'error':>7} "
+    print(f"{'hidden':>6} {'strategy':<22} {'rank':>4} {'predicted MB':>12} {'measured MB':>11} {'error':>7} "
           f"{'DeepSpeed MB':>12} {'Accelerate MB':>13}")
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         for hidden in map(int, a.sizes.split(",")):
@@ -100,7 +104,7 @@ def main() -> None:
                     rows.append(row)
                     ds = f"{other['deepspeed'] / 1e6:.2f}" if "deepspeed" in other else "-"
                     acc = f"{other['accelerate'] / 1e6:.2f}" if "accelerate" in other else "-"
-                    print(f"{hidden:>6} {name:<18} {p['rank']:>4} {p['total'] / 1e6:>12.2f} {m / 1e6:>11.2f} "
+                    print(f"{hidden:>6} {name:<22} {p['rank']:>4} {p['total'] / 1e6:>12.2f} {m / 1e6:>11.2f} "
                           f"{row['error']:>+7.1%} {ds:>12} {acc:>13}", flush=True)
     worst = max(abs(r["error"]) for r in rows)
     print(f"largest |error|: {worst:.1%} over {len(rows)} ranks (target <= 5%)")

@@ -7,18 +7,25 @@ Candidates for W workers (the other strategy keys keep their defaults):
     W > 1   data with zero 0, 1, 2, 3; model (tensor parallel over W); pipeline
             over W (balanced by parameters, so the run cuts where the plan did);
             hybrid for every factorization of W into two degrees: dp x pp and
-            dp x tp, each with zero 0 and 3
+            dp x tp, each with zero 0 and 3. Every candidate with a pipeline is
+            tried with m = p, 2p and 4p microbatches (p pipeline ranks) unless
+            strategy.microbatches is given.
+    any     a candidate (not offload) over the budget is tried again with its
+            activations recomputed per block (strategy.activations=checkpoint):
+            more compute for less memory, worth it only when it makes a plan fit.
 Each is validated (a candidate the model cannot take, say tensor parallelism on
 a model with no Linear pairs, is dropped with the reason) and planned
 (parallel.planner: its peak per rank, and the work of its step). Those whose
 largest rank peak exceeds `memory.budget` are dropped. The rest are ranked by
 a predicted step time:
 
-    compute    the rank's FLOPs in the planned step (torch's FlopCounterMode)
-               / R, the matmul rate measured in this process, times W / cores
-               when the workers outnumber the cores (they share them)
-    bubble     a pipeline's compute x (v*m + p - 1) / (v*m) (v stages per
-               rank, m microbatches, p pipeline ranks)
+    compute    the rank's FLOPs in the planned step (torch's per-op FLOP formulas)
+               / R, the matmul rate measured in this process, plus the ops it
+               dispatches x O, the time one op of a tiny training step takes
+               here beyond its FLOPs; times W / cores when the workers
+               outnumber the cores (they share them)
+    bubble     a pipeline's compute x (p - 1) / (v*m) (v stages per rank, m
+               microbatches, p pipeline ranks)
     comm       bytes handed to collectives and sends in the step (an
                all-reduce counted twice; DDP's bucket all-reduce added) / B,
                the loopback bandwidth measured here (gloo on one machine)
@@ -55,26 +62,38 @@ class Candidate:
     dropped: str | None = None  # why it does not run
 
 
-def candidates(world: int) -> list[Candidate]:
-    """The strategies tried for `world` workers (Note [auto])."""
+def candidates(world: int, microbatches: int | None = None) -> list[Candidate]:
+    """The strategies tried for `world` workers (Note [auto]); `microbatches`: the user's, when given."""
     if world == 1:
         return [Candidate("single", ["strategy=single"])] + [
             Candidate(f"offload, activations {a}", ["strategy=offload", f"strategy.activations={a}"])
             for a in ("device", "checkpoint", "auto")]
+
+    def pipelined(name: str, overrides: list[str], pp: int) -> list[Candidate]:
+        if microbatches is not None:
+            return [Candidate(name, overrides)]
+        return [Candidate(f"{name} m{m}", [*overrides, f"strategy.microbatches={m}"]) for m in (pp, 2 * pp, 4 * pp)]
+
     out = [Candidate(f"data zero {z}", ["strategy=data", f"strategy.zero={z}"]) for z in range(4)]
     out.append(Candidate(f"model tp{world}", ["strategy=model"]))
-    out.append(Candidate(f"pipeline pp{world}", ["strategy=pipeline", "strategy.balance=params"]))
+    out += pipelined(f"pipeline pp{world}", ["strategy=pipeline", "strategy.balance=params"], world)
     for a in range(2, world):
         if world % a:
             continue
         b = world // a
-        for other in ("pp", "tp"):
-            for z in (0, 3):
-                extra = ["strategy.balance=params"] if other == "pp" else []
-                out.append(Candidate(f"hybrid dp{a} x {other}{b} zero {z}",
-                                     ["strategy=hybrid", f"strategy.dp={a}", f"strategy.{other}={b}",
-                                      f"strategy.zero={z}", *extra]))
+        for z in (0, 3):
+            common = ["strategy=hybrid", f"strategy.dp={a}", f"strategy.zero={z}"]
+            out += pipelined(f"hybrid dp{a} x pp{b} zero {z}", [*common, f"strategy.pp={b}", "strategy.balance=params"], b)
+            out.append(Candidate(f"hybrid dp{a} x tp{b} zero {z}", [*common, f"strategy.tp={b}"]))
     return out
+
+
+def recomputed(cand: Candidate) -> Candidate | None:
+    """`cand` with its activations recomputed per block, for a candidate over the budget (None for offload,
+    which tries its own activation tiers, and for one already recomputing)."""
+    if "strategy=offload" in cand.overrides or any(o.startswith("strategy.activations=") for o in cand.overrides):
+        return None
+    return Candidate(f"{cand.name}, recompute", [*cand.overrides, "strategy.activations=checkpoint"])
 
 
 def _apply(cfg: Config, overrides: list[str]) -> Config:
@@ -137,6 +156,26 @@ def loopback_bandwidth(nbytes: int = 32 << 20) -> float:
     return nbytes / elapsed
 
 
+def op_overhead(steps: int = 200) -> float:
+    """Seconds per operator of a tiny training step (forward, backward, gradient reset) in this process:
+    what an op costs beyond its FLOPs (dispatch, autograd bookkeeping)."""
+    from parallel.planner import _Flops
+
+    layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+
+    def step():
+        layer(x).square().mean().backward()
+        layer.zero_grad(set_to_none=True)
+
+    step()
+    with _Flops() as counted:
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / (steps * counted.ops)
+
+
 def disk_bandwidth(directory: Path, nbytes: int = 64 << 20) -> float:
     """Bytes/s of writing then reading back a file in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -164,14 +203,18 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
     budget = device_budget(cfg, world)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     share = max(1.0, world * torch.get_num_threads() / cores)
-    rate, bandwidth = matmul_rate(), loopback_bandwidth()
+    rate, per_op, bandwidth = matmul_rate(), op_overhead(), loopback_bandwidth()
     disk = disk_bandwidth(Path(run_dir)) if world == 1 else None
     progress(f"auto: budget {budget / 1e6:.1f} MB per rank; measured {rate / 1e9:.1f} GFLOP/s, "
+             f"{per_op * 1e6:.1f} us per op, "
              f"loopback {bandwidth / 1e9:.2f} GB/s" + (f", disk {disk / 1e9:.2f} GB/s" if disk else ""))
     quiet = logging.getLogger("parallel")
     level = quiet.level
-    found = candidates(world)
-    for i, cand in enumerate(found, 1):
+    found = candidates(world, cfg.strategy.microbatches)
+    i = 0
+    while i < len(found):  # recomputed variants join the list as candidates exceed the budget
+        cand = found[i]
+        i += 1
         c = _apply(cfg, cand.overrides)
         c.run_dir = str(run_dir)
         quiet.setLevel(logging.WARNING)  # the strategies' own build messages, once per candidate
@@ -187,8 +230,8 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
         if cand.dropped is None:
             cand.peak = max(p.total for p in plans)
             s = c.strategy
-            worst = max(plans, key=lambda p: p.flops)
-            compute = worst.flops / rate * share
+            worst = max(plans, key=lambda p: p.flops / rate + p.ops * per_op)
+            compute = (worst.flops / rate + worst.ops * per_op) * share
             bubble = 0.0
             if s.name == "pipeline" or (s.name == "hybrid" and (s.pp or 1) > 1):
                 v, m, pp = s.stages_per_rank or 1, s.microbatches or 1, s.pp or 1
@@ -199,6 +242,9 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
                           "step": compute + bubble + comm + transfers}
             if cand.peak > budget:
                 cand.dropped = f"peak {cand.peak / 1e6:.2f} MB > budget {budget / 1e6:.2f} MB"
+                again = recomputed(cand)
+                if again is not None:
+                    found.append(again)
         state = cand.dropped or f"peak {cand.peak / 1e6:.2f} MB, step {cand.times['step'] * 1e3:.1f} ms"
         progress(f"auto: [{i}/{len(found)}] {cand.name}: {state}")
     fits = sorted((c for c in found if c.dropped is None), key=lambda c: c.times["step"])

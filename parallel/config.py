@@ -65,7 +65,8 @@ class StrategyConfig:
     # tensor-parallel layers (built-in transformer only).
     sequence_parallel: bool = False
     # Offload (one device): the tier each kind lives on: device, cpu, disk, auto (the
-    # tier below the device); activations also checkpoint (recompute in backward).
+    # tier below the device); activations also checkpoint (recompute in backward),
+    # which every other strategy takes too (per block: parallel.strategies.recompute).
     params: str = "auto"
     optimizer: str = "auto"
     activations: str = "device"
@@ -92,15 +93,25 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # synthetic (generated from the seed) or shards (a directory written by launch/make_shards.py).
     name: str = "synthetic"
+    # Task and sizes: data=shards reads them from the dataset's manifest.
     task: str = "regression"
     features: int = 32
     targets: int = 4
     classes: int = 10
     vocab_size: int = 64
     seq_len: int = 32
-    # Standard deviation of the label noise (regression).
+    # Standard deviation of the label noise (regression, synthetic).
     noise: float = 0.01
+    # data=shards: the dataset directory; samples per shuffle window (0 or 1: the written order);
+    # batches read ahead; reader threads; checks before training: size (every shard's length) or
+    # checksum (also its CRC-32, reading every byte once).
+    path: Optional[str] = None
+    shuffle_buffer: int = 10000
+    prefetch: int = 2
+    workers: int = 2
+    verify: str = "checksum"
 
 
 @dataclass
@@ -181,10 +192,31 @@ register_configs()
 # ---------------------------------------------------------------------------
 
 def to_config(cfg: DictConfig | dict) -> Config:
-    """Turn a composed DictConfig (or its plain-dict form) into typed dataclasses."""
+    """Turn a composed DictConfig (or its plain-dict form) into typed dataclasses.
+
+    With data=shards the task and sizes come from the dataset's manifest, set
+    before interpolations resolve (a model's `${data.features}` reads them).
+    """
     if isinstance(cfg, dict):
         cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    if cfg.data.name == "shards":
+        _read_shard_hints(cfg)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def _read_shard_hints(cfg: DictConfig) -> None:
+    from parallel.data.shards import Manifest
+
+    if not cfg.data.path:
+        fail("data.path", cfg.data.path, "data=shards needs the dataset directory", "a directory written by "
+             "launch/make_shards.py")
+    m = Manifest.load(cfg.data.path)
+    m.field("features"), m.field("targets")
+    hints = m.record.get("hints") or {}
+    if not hints:
+        fail("data.path", cfg.data.path, "the manifest names no task for its features and targets")
+    for key, value in hints.items():
+        cfg.data[key] = value
 
 
 def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
@@ -268,6 +300,10 @@ def validate(cfg: Config, world_size: int) -> None:
         fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
     if s.name == "offload":
         _validate_offload(cfg, world_size)
+    elif s.activations not in ("device", "checkpoint"):
+        fail("strategy.activations", s.activations, f"strategy={s.name} keeps activations on the device or "
+             "recomputes them per block; the tiers below the device are strategy=offload's",
+             ["device", "checkpoint"])
     if s.name == "single" and world_size != 1:
         fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
              "strategy=data or strategy=pipeline for several processes")
@@ -292,6 +328,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if pipelined(s):
         _validate_pipeline(cfg, per_rank)
     validate_model(cfg.model)
+    if cfg.data.name == "shards":
+        _check_model_takes_shards(cfg)
     if s.name == "offload" and s.path is not None:
         _check_offload_disk(cfg)
     if tensor_parallel(s):
@@ -404,14 +442,35 @@ def _validate_optim(o: OptimConfig) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
-    if d.name != "synthetic":
-        fail("data.name", d.name, "unknown data source", ["synthetic"])
+    if d.name not in ("synthetic", "shards"):
+        fail("data.name", d.name, "unknown data source", ["synthetic", "shards"])
+    if d.name == "shards":
+        _validate_shards(d)
     if d.task not in TASKS:
         fail("data.task", d.task, "unknown task", list(TASKS))
     for key in ("features", "targets", "classes", "vocab_size", "seq_len"):
         _positive(f"data.{key}", getattr(d, key))
     if d.noise < 0:
         fail("data.noise", d.noise, "must be >= 0")
+
+
+def _validate_shards(d: DataConfig) -> None:
+    from parallel.data.shards import Manifest, ShardError
+
+    _positive("data.shuffle_buffer", d.shuffle_buffer, allow_zero=True)
+    _positive("data.prefetch", d.prefetch, allow_zero=True)
+    _positive("data.workers", d.workers)
+    if d.verify not in ("size", "checksum"):
+        fail("data.verify", d.verify, "unknown check", ["size", "checksum"])
+    m = Manifest.load(d.path)
+    x = m.field("features")
+    if d.task != "lm" and len(x["shape"]) != 1:
+        fail("data.path", d.path, f"features of shape {tuple(x['shape'])}: the built-in tasks take one "
+             f"vector of features per sample", "shards written with features of shape (F,)")
+    try:
+        m.check_files(checksums=d.verify == "checksum")
+    except ShardError as e:
+        fail("data.path", d.path, str(e))
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -480,6 +539,26 @@ def validate_model(m: ModelConfig) -> None:
                  f"do not fit {getattr(factory, '__qualname__', factory)}{sig}: {e}{hint}",
                  list(sig.parameters))
     build_meta_model(m)
+
+
+def _check_model_takes_shards(cfg: Config) -> None:
+    """The model runs on two samples shaped as the shards' and gives what their targets need."""
+    import torch
+
+    from parallel.strategies.tensor import example_input
+
+    d = cfg.data
+    shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
+    (x,) = example_input(cfg)
+    try:
+        with torch.no_grad():
+            out = build_meta_model(cfg.model)(x)
+    except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
+        fail("data.path", d.path, f"the model does not take the shards' samples (features of shape "
+             f"{tuple(x.shape[1:])}): {type(e).__name__}: {e}")
+    if tuple(out.shape) != shape[d.task]:
+        fail("data.path", d.path, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; the "
+             f"shards' {d.task} targets need {shape[d.task]}")
 
 
 def build_meta_model(m: ModelConfig):

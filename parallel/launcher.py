@@ -175,9 +175,10 @@ def _train(cfg, run_dir: Path, device: torch.device) -> None:
         if cfg.trainer.save_final:
             save_final(run.engine, run_dir / "final_model.pt")
     finally:
-        close = getattr(run.engine, "close", None)
-        if close is not None:
-            close()  # e.g. offload removes its files, also when the run fails
+        for part in (run.engine, run.data):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()  # offload removes its files, shards stop their readers; also when the run fails
     if run.is_logger:
         log.info("done: %s", run_dir)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel.memory.tracker import LiveTensorBytes, state_tensors
+from parallel.memory.tracker import LiveTensorBytes, engine_tensors, state_tensors
 
 log = logging.getLogger("parallel")
 
@@ -55,7 +55,19 @@ class _TqdmHandler(logging.Handler):
 
 
 def process_peak_rss() -> int:
-    """Peak resident set size of this process, in bytes."""
+    """Peak resident set size of this process, in bytes.
+
+    Linux's VmHWM: getrusage's ru_maxrss keeps the peak from before the
+    process's exec, which for a worker started by another process (the
+    launcher, an elastic agent) is that process's RSS at the fork.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -81,8 +93,7 @@ class PeakMemory:
             return
         tracker = LiveTensorBytes(self.device.type)
         tracker.track(state_tensors(engine.model, optimizer))
-        # What the engine holds besides the model (offload's buffers and resident state).
-        tracker.track(getattr(engine, "resident_tensors", list)())
+        tracker.track(engine_tensors(engine))
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)

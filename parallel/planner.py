@@ -30,6 +30,16 @@ the bytes saved for backward while it ran (each storage once), and its
 temporaries in forward (the most that was live while it ran, less what was
 still live when it returned), largest first.
 
+Where the fake world differs from the real one, the planner puts back what
+the real one does: pipeline stages get their boundary shapes up front (the
+shapes are exchanged between ranks at a real first step), tensor-parallel
+stages the local ones; a point-to-point send's work keeps its tensor until
+the schedule drops the work (`_HeldSend`); waiting on a functional
+collective returns its output rather than the fake kernel's copy; DDP's
+reducer is replaced by a stand-in and its buckets added. Each rank role is
+planned on its own thread (`_in_own_thread`), so DTensor's per-thread caches
+never hand one role the meshes of another.
+
 Not covered: the CUDA caching allocator's rounding and fragmentation (the
 plan counts tensors, as the CPU measurement does); memory a strategy holds
 outside tensors.
@@ -37,6 +47,7 @@ outside tensors.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import asdict, dataclass, field
 
@@ -47,9 +58,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from parallel.config import Config, ConfigError, build_meta_model, resolve
+from parallel.config import Config, build_meta_model, resolve
 from parallel.dims import ParallelDims
-from parallel.memory.tracker import LiveTensorBytes, _local, state_tensors
+from parallel.memory.tracker import LiveTensorBytes, _local, engine_tensors, plain_tensors, state_tensors
 
 KINDS = ("params", "grads", "optimizer", "activations", "temp")
 
@@ -81,7 +92,8 @@ class RankPlan:
     peak_module: str | None
     by_module: list[dict] = field(default_factory=list)
     # The work of the step, for strategy=auto's cost model (parallel.auto):
-    flops: int = 0  # forward + backward + optimizer, as torch's FlopCounterMode counts them
+    flops: int = 0  # forward + backward + optimizer, by torch's per-op formulas (_Flops)
+    ops: int = 0  # operators dispatched in the step (each costs a fixed overhead besides its FLOPs)
     comm_bytes: int = 0  # handed to collectives and point-to-point sends (an all-reduce counts twice)
     io_bytes: int = 0  # moved to and from offload's tiers
 
@@ -110,14 +122,22 @@ class _PeakTracker(LiveTensorBytes):
             self.peak_phase = "backward" if in_backward and self.phase == "forward" else self.phase
             self.peak_module = self.modules[-1] if self.modules else None
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            # On a real process group waiting returns the collective's own output; the fake kernel
+            # returns a copy, which would count the result twice while both live.
+            return args[0]
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def _storages(self, tensors) -> set[int]:
         out = set()
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                try:
-                    out.add(id(_local(t).untyped_storage()))
-                except (RuntimeError, NotImplementedError):
-                    pass
+                for p in plain_tensors(t):
+                    try:
+                        out.add(id(p.untyped_storage()))
+                    except (RuntimeError, NotImplementedError):
+                        pass
         return out
 
     def _sort(self) -> None:
@@ -145,11 +165,12 @@ class _PeakTracker(LiveTensorBytes):
         self.kinds = kinds
 
     def pack(self, t: torch.Tensor):
-        try:
-            st = _local(t).untyped_storage()
-            self.saved[id(st)] = weakref.ref(st)
-        except (RuntimeError, NotImplementedError):
-            pass
+        for p in plain_tensors(t):
+            try:
+                st = p.untyped_storage()
+                self.saved[id(st)] = weakref.ref(st)
+            except (RuntimeError, NotImplementedError):
+                pass
         return t
 
 
@@ -196,14 +217,15 @@ class _ModuleWatch:
         if not self.tracker.modules:
             return
         name = self.tracker.modules[-1]
-        try:
-            st = _local(t).untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
         seen = self.seen.setdefault(name, set())
-        if id(st) not in seen and id(st) not in self.params:  # a saved weight is counted as a parameter
-            seen.add(id(st))
-            self.by_name[name].saved += st.nbytes()
+        for p in plain_tensors(t):
+            try:
+                st = p.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if id(st) not in seen and id(st) not in self.params:  # a saved weight is counted as a parameter
+                seen.add(id(st))
+                self.by_name[name].saved += st.nbytes()
 
     def table(self) -> list[ModuleMemory]:
         rows = [r for r in self.rows.values() if r.total > 0]
@@ -226,8 +248,6 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
     # The fake backend registers itself on import; it lives in torch's testing package.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from torch.utils.flop_counter import FlopCounterMode
-
     from parallel.data.synthetic import SyntheticData
     from parallel.trainer import build_run
 
@@ -239,18 +259,21 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         mesh = dims.build_mesh(device.type)
         model = build_meta_model(cfg.model)
         dp_rank = mesh["dp"].get_local_rank()
+        # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them):
+        # the plan reads no dataset.
         data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
         ddp, io = _DDPStandIn(), [0]
         with FakeTensorMode(allow_non_fake_inputs=True), ddp.patched(), _untimed_pipeline_split(), \
-                _pipeline_without_inference(), _offload_without_io(io), _meshes_outside_fake():
+                _pipeline_without_inference(), _sends_held_by_their_works(), _offload_without_io(io), \
+                _meshes_outside_fake():
             run = build_run(cfg, dims, device, mesh=mesh, model=model, data=data)
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
             # (weights, optimizer state, the engine's buffers), plus what it makes. The first step makes
             # the optimizer state; the second holds it, as every later step does.
-            flops, comm = FlopCounterMode(display=False), _CommBytes()
+            flops, comm = _Flops(), _CommBytes()
             counted = [_count_step(run, step, flops, comm, by_module) for step in (1, 2)]
             tracker, modules = max(counted, key=lambda tm: tm[0].peak)
-            flops_per_step = flops.get_total_flops() // 2
+            flops_per_step, ops_per_step = flops.total // 2, flops.ops // 2
             comm.bytes //= 2
             io[0] //= 2
             close = getattr(run.engine, "close", None)
@@ -265,8 +288,30 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
     return RankPlan(rank=rank, same_as=[], params=k["params"], grads=k["grads"], optimizer=k["optimizer"],
                     activations=k["activations"], temp=k["temp"], total=tracker.peak + buckets,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
-                    flops=flops_per_step, comm_bytes=comm.bytes + 2 * buckets if dims.dp > 1 else comm.bytes,
-                    io_bytes=io[0])
+                    flops=flops_per_step, ops=ops_per_step,
+                    comm_bytes=comm.bytes + 2 * buckets if dims.dp > 1 else comm.bytes, io_bytes=io[0])
+
+
+class _Flops(TorchDispatchMode):
+    """FLOPs of the ops run while active, by torch's own per-op formulas (torch.utils.flop_counter), and
+    how many ops ran. FlopCounterMode itself also attributes FLOPs to modules through autograd hooks on their outputs,
+    and those hooks keep tensors alive in checkpointed blocks: they would change the memory being
+    planned."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops += 1
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 class _CommBytes(TorchDispatchMode):
@@ -310,6 +355,39 @@ def _pipeline_without_inference():
     finally:
         schedules._PipelineSchedule._warmup_p2p, pipeline.dist.broadcast_object_list = saved
         pipeline.STATIC_SHAPES.reset(token)
+
+
+class _HeldSend:
+    """A send's work that keeps the sent tensors alive for as long as the schedule keeps the work, as a
+    real process group's work does (the fake one's holds nothing, so sent activations and gradients
+    would be freed at once: an interleaved schedule keeps its sends until the end of the step)."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+@contextlib.contextmanager
+def _sends_held_by_their_works():
+    """See _HeldSend: the schedules' point-to-point batches return works that hold their sent tensors."""
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+
+    def held(p2p_ops, desc=None):
+        sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return [_HeldSend(w, sent) for w in batch(p2p_ops, desc)]
+
+    schedules._batch_p2p = held
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch
 
 
 @contextlib.contextmanager
@@ -432,7 +510,7 @@ def _count_step(run, step: int, flops, comm, by_module: bool):
     """One training step under a fresh tracker (and the module watch with `by_module`): (tracker, watch)."""
     tracker = _PeakTracker(run.device.type, run.engine.model, run.optimizer, run.engine)
     tracker.track(state_tensors(run.engine.model, run.optimizer))
-    tracker.track(getattr(run.engine, "resident_tensors", list)())
+    tracker.track(engine_tensors(run.engine))
     modules = _ModuleWatch(run.engine.model, tracker) if by_module else None
 
     def pack(t):
@@ -464,15 +542,33 @@ def _phased_step(run, tracker, step: int) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
+def _in_own_thread(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a new thread. Device meshes made for different ranks compare equal (same
+    layout), and DTensor caches its sharding decisions by mesh, so one rank's plan would be handed
+    meshes whose process groups went with the rank planned before it; meshes also compare by the
+    thread that made them, and DTensor's caches are per thread, so each rank planned on its own
+    thread starts clean."""
+    out: list = []
+
+    def body():
+        try:
+            out.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # re-raised on the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=body, name="plan-rank")
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan]:
     """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size`."""
     resolve(cfg, world_size)
     dims = ParallelDims.from_config(cfg.strategy, world_size)
-    if dims.pp > 1 and dims.tp > 1:
-        # The stages are given their boundary shapes up front (_pipeline_without_inference); with tensor
-        # parallelism inside a stage those are the sharded ones, which the planner does not derive yet.
-        raise ConfigError(f"strategy.pp={dims.pp}, strategy.tp={dims.tp}: the planner does not cover tensor "
-                          f"parallelism inside pipeline stages yet (plan pp x dp, or tp x dp)")
     out = []
     with contextlib.ExitStack() as stack:
         if cfg.run_dir is None:  # offload makes its (here empty) directory there
@@ -480,7 +576,7 @@ def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan
 
             cfg.run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
         for i, (rank, same) in enumerate(roles(dims)):
-            p = plan_rank(cfg, dims, rank, by_module=by_module and i == 0)
+            p = _in_own_thread(plan_rank, cfg, dims, rank, by_module=by_module and i == 0)
             p.same_as = same
             out.append(p)
     return out

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from parallel.config import Config, build_meta_model
-from parallel.data.synthetic import SyntheticData
+from parallel.data import build_data
 from parallel.dims import ParallelDims
 from parallel.init import init_plan
 from parallel.metrics import Metrics, PeakMemory, gather_ints, log, process_peak_rss
@@ -30,7 +30,7 @@ class Run:
     engine: object  # parallel.engine.LocalEngine or a strategy's own engine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    data: SyntheticData
+    data: object  # parallel.data: SyntheticData or ShardData
     device: torch.device
     is_logger: bool
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
@@ -52,7 +52,7 @@ def build_run(cfg: Config, dims: ParallelDims, device: torch.device, mesh=None, 
         optimizer = build_optimizer(engine.model, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
     if data is None:
-        data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
+        data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
     # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, device, is_logger)

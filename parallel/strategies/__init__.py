@@ -14,6 +14,7 @@ from parallel.data.synthetic import loss_fn
 from parallel.engine import LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.strategies.data import apply_data
+from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.single import apply_single
 from parallel.strategies.tensor import apply_tensor
 
@@ -23,6 +24,8 @@ def _local(apply):
     materialize (Note [initialization by name]) and wrap it in a LocalEngine."""
 
     def build(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+        if recomputing(cfg):  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
+            recompute_model(model, cfg)
         model = apply(model, mesh, cfg)
         materialize_and_init(model, device, cfg.trainer.seed, plan)
         return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), device)

@@ -39,6 +39,7 @@ from parallel.data.synthetic import loss_fn
 from parallel.engine import LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.strategies.data import blocks_of
+from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.tensor import shard, tensor_plan
 
 
@@ -77,7 +78,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.d
     if s.pp > 1:
         from parallel.strategies.pipeline import build_pipeline
 
-        return build_pipeline(model, mesh, cfg, device, plan, transform=pieces)
+        tp_shapes = (lambda module: shard(module, mesh, tp_plan)) if s.tp > 1 else None  # noqa: E731
+        return build_pipeline(model, mesh, cfg, device, plan, transform=pieces, shape_transform=tp_shapes)
+    if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
+        recompute_model(model, cfg)
     pieces(model, blocks_of(model))
     materialize_and_init(model, device, cfg.trainer.seed, plan)
     return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), device)

@@ -26,6 +26,7 @@ from parallel.init import InitPlan, materialize_and_init
 from parallel.optim import clip_grads
 from parallel.strategies import partition, schedules
 from parallel.strategies.chain import chain, compiled, retarget
+from parallel.strategies.recompute import recompute_blocks, recomputing
 
 
 # Copying a traced pipeline copies torch's own pytree specs, whose deprecated
@@ -205,7 +206,7 @@ class TiedCopy:
 
 
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan,
-                   transform=None) -> "PipelineEngine":
+                   transform=None, shape_transform=None) -> "PipelineEngine":
     """Split `model` (on meta) into stages over the mesh's pp dimension; return this rank's engine.
 
     Args:
@@ -213,6 +214,10 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torc
             stages (on meta, the model's own block modules swapped in) before
             it is materialized: how strategy=hybrid adds tensor and data
             parallelism. None keeps the traced stages as they are.
+        shape_transform: `stage -> None`, the part of `transform` that changes
+            the shapes crossing stages (tensor parallelism: a stage may end in
+            a sharded layer). Used only when the shapes are given up front
+            (STATIC_SHAPES), where every stage is shaped on a copy.
     """
     from parallel.data.synthetic import loss_fn
     from parallel.metrics import log
@@ -220,7 +225,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torc
     split = plan_split(model, cfg, mesh["dp"].size())
     log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
              format_split(split))
-    stages, modules, tied = build_stages(split, mesh, cfg, device, plan, model if transform else None, transform)
+    stages, modules, tied = build_stages(split, mesh, cfg, device, plan, model if transform else None, transform,
+                                         shape_transform)
     groups: dict[str, list[str]] = {}
     for name, (_, _, canonical) in plan.items():
         groups.setdefault(canonical, []).append(name)
@@ -229,7 +235,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torc
 
 
 def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan,
-                 model: nn.Module | None = None, transform=None):
+                 model: nn.Module | None = None, transform=None, shape_transform=None):
     """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
 
     With `model` and `transform` (strategy=hybrid), each stage gets the model's
@@ -246,15 +252,28 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
         chained = chain(split.pipe)  # Note [stage chain]
     except ValueError as e:
         raise ConfigError(f"strategy=pipeline: {e}") from None
-    shapes = _stage_shapes(chained, example_microbatch(cfg, mesh["dp"].size())) if STATIC_SHAPES.get() else None
+    shapes = None
+    if STATIC_SHAPES.get():
+        shaped = chained
+        if shape_transform is not None:  # each stage as its ranks will hold it, on a copy (still on meta)
+            shaped = [copy.deepcopy(gm) for gm in chained]
+            for gm in shaped:
+                _drop_unused(gm, split.blocks)
+                eager_blocks(gm, model, split.blocks)
+                shape_transform(gm)
+        shapes = _stage_shapes(shaped, example_microbatch(cfg, mesh["dp"].size()))
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
         _drop_unused(mod, split.blocks)
         compiled(mod)
         retarget(mod, device)
+        blocks = eager_blocks(mod, model, split.blocks) if transform is not None else None
+        if recomputing(cfg):  # before the transform's FSDP units wrap the blocks
+            called = {n.target for n in mod.graph.nodes if n.op == "call_module"}
+            recompute_blocks(mod, [n for n in split.blocks if n in called])
         if transform is not None:
-            transform(mod, eager_blocks(mod, model, split.blocks))
+            transform(mod, blocks)
         materialize_and_init(mod, device, cfg.trainer.seed, plan)
         # Shapes are found at the first step (PyTorch's runtime inference); only
         # floating-point tensors cross stages (_float_boundaries), which that allows.
@@ -378,6 +397,15 @@ class PipelineEngine:
                 dist.all_reduce(total, group=t.group)
             for g in grads:
                 g.copy_(total)
+
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """The stages' receive buffers (activations and their gradients, one per microbatch): made at the
+        first step and kept, so the memory watch counts them from the start of each later step."""
+        out = []
+        for st in self.stages:
+            for infos in list(st.args_recv_info.values()) + list(st.grad_recv_info.values()):
+                out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+        return out
 
     @torch.no_grad()
     def clip(self, max_norm: float) -> torch.Tensor:

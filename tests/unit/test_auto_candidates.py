@@ -1,0 +1,26 @@
+"""strategy=auto's candidate list (Note [auto]): microbatch counts for pipelines, recomputed variants."""
+from parallel.auto import Candidate, candidates, recomputed
+
+
+def test_pipelines_are_tried_with_several_microbatch_counts():
+    names = [c.name for c in candidates(4)]
+    assert {"pipeline pp4 m4", "pipeline pp4 m8", "pipeline pp4 m16"} <= set(names)
+    assert {"hybrid dp2 x pp2 zero 3 m2", "hybrid dp2 x pp2 zero 3 m8", "hybrid dp2 x tp2 zero 0"} <= set(names)
+    m8 = next(c for c in candidates(4) if c.name == "pipeline pp4 m8")
+    assert "strategy.microbatches=8" in m8.overrides
+    # The user's own count is kept: one candidate per pipeline shape.
+    given = [c.name for c in candidates(4, microbatches=8)]
+    assert "pipeline pp4" in given and not any(" m" in n.split("pp4")[-1] for n in given if "pp" in n)
+
+
+def test_a_candidate_over_budget_is_retried_with_recomputed_activations():
+    again = recomputed(Candidate("data zero 3", ["strategy=data", "strategy.zero=3"]))
+    assert again.name == "data zero 3, recompute"
+    assert again.overrides == ["strategy=data", "strategy.zero=3", "strategy.activations=checkpoint"]
+    assert recomputed(again) is None  # once
+    assert recomputed(Candidate("offload", ["strategy=offload", "strategy.activations=device"])) is None
+
+
+def test_one_worker_candidates_are_single_and_offload():
+    assert [c.name for c in candidates(1)] == ["single", "offload, activations device",
+                                               "offload, activations checkpoint", "offload, activations auto"]
