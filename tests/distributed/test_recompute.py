@@ -26,11 +26,17 @@ def single(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_recomputed_activations_train_as_single_in_less_memory(single, tmp_path, case):
     world, args = CASES[case]
-    plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"
+    recomputed = tmp_path / "recomputed"
     common = cli.FAST + BIG + args + [f"nproc={world}"]
     cli.run(common + ["strategy.activations=checkpoint", f"run_dir={recomputed}"], cwd=tmp_path)
     cli.assert_same_training(recomputed, single)
-    cli.run(common + [f"run_dir={plain}"], cwd=tmp_path)
+    if case not in ("single", "data_zero3"):
+        return
+    # Less memory than the same run keeping its activations (single: the reference run itself).
+    plain = single
+    if case != "single":
+        plain = tmp_path / "plain"
+        cli.run(common + [f"run_dir={plain}"], cwd=tmp_path)
     less = cli.metrics(recomputed)[-1]["mem_peak_bytes_per_rank"]
     more = cli.metrics(plain)[-1]["mem_peak_bytes_per_rank"]
     assert all(a < b for a, b in zip(less, more)), (less, more)

@@ -33,7 +33,7 @@ def test_auto_on_two_workers_ranks_every_candidate(tmp_path):
                    cwd=tmp_path)
     record = json.loads((tmp_path / "auto.json").read_text())
     names = [c["name"] for c in record["candidates"]]
-    assert {"data zero 0", "data zero 3", "model tp2", "pipeline pp2"} <= set(names)
+    assert {"data zero 0", "data zero 3", "model tp2", "pipeline pp2 m2", "pipeline pp2 m8"} <= set(names)
     fits = [c for c in record["candidates"] if c["dropped"] is None]
     steps = [c["times"]["step"] for c in fits]
     assert steps == sorted(steps) and fits[0]["overrides"] == record["chosen"]  # the fastest runs

@@ -29,9 +29,23 @@ def compose_cfg(overrides):
         return compose(config_name="config", overrides=overrides, return_hydra_config=False)
 
 
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    """A tiny dataset for data=shards (its manifest sets the task and sizes)."""
+    import numpy as np
+
+    from parallel.data.shards import write_shards
+
+    out = tmp_path_factory.mktemp("shards") / "data"
+    write_shards(({"features": np.full(8, i, np.float32), "targets": np.zeros(2, np.float32)} for i in range(16)),
+                 out)
+    return str(out)
+
+
 @pytest.mark.parametrize("group,name", list(options()))
-def test_every_config_composes_and_validates(group, name):
-    cfg = to_config(compose_cfg([f"{group}={name}"] + EXTRA.get((group, name), [])))
+def test_every_config_composes_and_validates(group, name, shards):
+    extra = [f"data.path={shards}"] if (group, name) == ("data", "shards") else EXTRA.get((group, name), [])
+    cfg = to_config(compose_cfg([f"{group}={name}"] + extra))
     section = getattr(cfg, group)
     assert getattr(section, "name", name) == name
     validate(cfg, world_size=1)
