@@ -473,14 +473,6 @@ class ShardData:
         self.wait_s += time.perf_counter() - t0
         return x.to(device), y.to(device)
 
-    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's samples of `step` together (tests)."""
-        whole = ShardData(self.cfg, self.seed, self.batch_size)
-        try:
-            return whole._load(step)
-        finally:
-            whole.close()
-
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
