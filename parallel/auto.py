@@ -83,7 +83,8 @@ def candidates(world: int, microbatches: int | None = None) -> list[Candidate]:
         b = world // a
         for z in (0, 3):
             common = ["strategy=hybrid", f"strategy.dp={a}", f"strategy.zero={z}"]
-            out += pipelined(f"hybrid dp{a} x pp{b} zero {z}", [*common, f"strategy.pp={b}", "strategy.balance=params"], b)
+            out += pipelined(f"hybrid dp{a} x pp{b} zero {z}",
+                             [*common, f"strategy.pp={b}", "strategy.balance=params"], b)
             out.append(Candidate(f"hybrid dp{a} x tp{b} zero {z}", [*common, f"strategy.tp={b}"]))
     return out
 
