@@ -33,8 +33,9 @@ sample numbers, never on data:
        (from 1) takes positions (k-1) x B ... k x B - 1 of it (B the global
        batch), and data-parallel rank r of d takes its contiguous B/d of them.
 
-Memory is bounded by one window of sample numbers (8 bytes each) and the
-batches read ahead (`data.prefetch`), whatever the dataset's size. A window
+Memory is bounded by a few windows of sample numbers (8 bytes each; the 16
+used last are kept) and the batches read ahead (`data.prefetch`), whatever
+the dataset's size. A window
 plays the part of a shuffle buffer: a sample moves at most a window from its
 place in the shard-permuted stream.
 """
