@@ -15,10 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 
 from parallel.config import ConfigError, to_config, validate  # noqa: E402
 from parallel.launcher import (WorkerFailed, check_world_size, in_submitit_job, join_submitit_job,  # noqa: E402
-                               launch, under_torchrun, worker)
+                               launch, report_worker_error, under_torchrun, worker)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -38,7 +39,14 @@ def main(dcfg: DictConfig) -> None:
     # Workers get the validated config with derived values filled in (degrees, microbatches).
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if started_by == "torchrun":
-        worker(cfg_dict, None)  # rank 0 picks the run dir (Note [one run directory])
+        try:
+            worker(cfg_dict, None)  # rank 0 picks the run dir (Note [one run directory])
+        except ConfigError as e:  # found while building or resuming
+            if os.environ.get("RANK", "0") == "0":
+                print(f"config error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except Exception as e:
+            sys.exit(report_worker_error(e))
         return
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     if cfg.strategy.name == "auto":
@@ -48,6 +56,11 @@ def main(dcfg: DictConfig) -> None:
         return
     try:
         launch(cfg_dict, run_dir, world)
+    except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C: the workers have been stopped
+        name = getattr(getattr(e, "sigval", None), "name", "SIGINT")
+        print(f"interrupted ({name}): every worker stopped; checkpoints complete so far are in {run_dir}",
+              file=sys.stderr)
+        sys.exit(130)
     except ConfigError as e:  # found while building, in a single in-process worker (e.g. no disk space)
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -81,7 +94,7 @@ def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(chosen), resolve=True)
 
 
-if __name__ == "__main__":
+def _run() -> None:
     if under_torchrun():
         # Note [one run directory] (parallel/launcher.py): each torchrun worker runs
         # this script; Hydra must not create a directory of its own in each of them.
@@ -89,3 +102,12 @@ if __name__ == "__main__":
     if ("--cfg" in sys.argv or "-c" in sys.argv) and "--resolve" not in sys.argv:
         sys.argv.append("--resolve")  # show the values the run would use, not interpolations
     main()
+
+
+if __name__ == "__main__":
+    try:
+        _run()
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: one line, from one
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted", file=sys.stderr)
+        sys.exit(130)

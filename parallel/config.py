@@ -144,6 +144,13 @@ class TrainerConfig:
     progress: bool = True
     # Write the trained weights, gathered and unpartitioned, to <run_dir>/final_model.pt.
     save_final: bool = False
+    # Save a checkpoint (parallel.checkpoint) every N steps and at the last step; 0: none. The newest
+    # keep_checkpoints complete ones are kept.
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    # Continue from a checkpoint: its directory, a run directory (its newest complete one), or auto (this
+    # run directory's newest; none there: start at step 0). Workers restarted by torchrun resume auto.
+    resume: Optional[str] = None
 
 
 @dataclass
@@ -273,6 +280,8 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in ("steps", "batch_size", "grad_accum", "log_every"):
         _positive(f"trainer.{key}", getattr(t, key))
     _positive("trainer.seed", t.seed, allow_zero=True)
+    _positive("trainer.checkpoint_every", t.checkpoint_every, allow_zero=True)
+    _positive("trainer.keep_checkpoints", t.keep_checkpoints)
     if t.clip_grad_norm < 0:
         fail("trainer.clip_grad_norm", t.clip_grad_norm, "must be >= 0 (0 disables clipping)")
     if t.timeout_s <= 0:
@@ -328,10 +337,12 @@ def validate(cfg: Config, world_size: int) -> None:
     if pipelined(s):
         _validate_pipeline(cfg, per_rank)
     validate_model(cfg.model)
-    if cfg.data.name == "shards":
-        _check_model_takes_shards(cfg)
     if s.name == "offload" and s.path is not None:
         _check_offload_disk(cfg)
+    if t.resume is not None:
+        from parallel.checkpoint import check_resume
+
+        check_resume(cfg)
     if tensor_parallel(s):
         from parallel.strategies.tensor import example_input, resolve_plan
 
@@ -340,6 +351,9 @@ def validate(cfg: Config, world_size: int) -> None:
         from parallel.strategies.pipeline import plan_split
 
         plan_split(build_meta_model(cfg.model), cfg, s.dp, measure=False)  # traces; names bad split points
+    if cfg.data.name == "shards" or not cfg.model._target_:
+        # A user's model may do what meta tensors cannot (read a value): only the shards' own shapes ask it to.
+        _check_model_takes_data(cfg)
 
 
 def _validate_offload(cfg: Config, world_size: int) -> None:
@@ -541,24 +555,27 @@ def validate_model(m: ModelConfig) -> None:
     build_meta_model(m)
 
 
-def _check_model_takes_shards(cfg: Config) -> None:
-    """The model runs on two samples shaped as the shards' and gives what their targets need."""
+def _check_model_takes_data(cfg: Config) -> None:
+    """The model runs on two samples shaped as the data's and gives what its targets need."""
     import torch
 
     from parallel.strategies.tensor import example_input
 
     d = cfg.data
+    key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
+        ("data.task", d.task, f"data.task={d.task}'s")
+    hint = " (model=gpt takes data.task=lm)" if d.name != "shards" and cfg.model.name == "gpt" else ""
     shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
     (x,) = example_input(cfg)
     try:
         with torch.no_grad():
             out = build_meta_model(cfg.model)(x)
     except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
-        fail("data.path", d.path, f"the model does not take the shards' samples (features of shape "
-             f"{tuple(x.shape[1:])}): {type(e).__name__}: {e}")
+        fail(key, value, f"the model does not take {what} samples ({x.dtype} features of shape "
+             f"{tuple(x.shape[1:])}){hint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     if tuple(out.shape) != shape[d.task]:
-        fail("data.path", d.path, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; the "
-             f"shards' {d.task} targets need {shape[d.task]}")
+        fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {what} "
+             f"{d.task} targets need {shape[d.task]}")
 
 
 def build_meta_model(m: ModelConfig):

@@ -1,7 +1,8 @@
 """How a strategy runs one step: forward/backward over the global batch, the grad norm, its metrics.
 
 Every strategy returns an engine; the training loop only talks to this interface
-(`model`, `forward_backward`, `clip`, `metrics`, `loss_group`, `holds_loss`), so
+(`model`, `forward_backward`, `clip`, `metrics`, `loss_group`, `holds_loss`,
+`state_modules` or `checkpoint_state` for checkpoints), so
 strategy-specific work stays out of the loop.
 """
 from __future__ import annotations
@@ -56,6 +57,10 @@ class LocalEngine:
 
     def metrics(self) -> dict:
         return {}
+
+    def state_modules(self) -> list[nn.Module]:
+        """The modules whose state dicts hold this rank's tensors under their unpartitioned names."""
+        return [self.model]
 
     def full_state_dict(self) -> dict:
         """The unpartitioned state dict, gathered on rank 0 (CPU tensors; {} elsewhere)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -118,7 +119,54 @@ def _failure_message(failure) -> str:
 @record
 def worker(cfg_dict: dict, run_dir: str | None) -> None:
     """The entry point of one worker process (spawned by `launch`, or run by torchrun)."""
-    _work(cfg_dict, run_dir, single_process=False)
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        _work(cfg_dict, run_dir, single_process=False)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every worker; the launcher says so once. A checkpoint being
+        # written stays unfinished, and is skipped (Note [atomic checkpoint]).
+        sys.exit(130)
+    except Exception as e:
+        if not lost_peer(e):
+            raise  # recorded (@record) for the launcher's report of the first failure
+        # A consequence of another worker's failure: one line here, and no error file
+        # (an exit status is not recorded), so the report shows the cause alone.
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"rank {os.environ.get('RANK', '?')}: stopped: another worker failed ({type(e).__name__}: "
+              f"{first[:160]})", file=sys.stderr)
+        sys.exit(1)
+
+
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C reaches a worker twice (from the terminal, then forwarded by the launcher): the first stops it,
+    the second would interrupt its exit midway (atexit handlers), so it is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+# What a collective raises on a rank whose peer has died: a consequence, not the cause.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "communicator was aborted",
+              "NCCL communicator", "Socket closed")
+
+
+def lost_peer(e: BaseException) -> bool:
+    return any(m in str(e) for m in _PEER_LOST)
+
+
+def report_worker_error(e: Exception) -> int:
+    """Print a torchrun worker's error once and return its exit status.
+
+    torchrun shows the traceback of the first failure in its summary (the
+    worker's @record error file), so the worker prints one line; without an
+    error file it prints the traceback too.
+    """
+    import traceback
+
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        traceback.print_exception(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    print(f"error: worker rank {os.environ.get('RANK', '?')} failed: {type(e).__name__}: {first}", file=sys.stderr)
+    return 1
 
 
 def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
@@ -148,7 +196,7 @@ def _agree_on_run_dir(run_dir: str | None, cfg_dict: dict) -> str:
     if run_dir is None:
         choice = [None]
         if dist.get_rank() == 0:
-            choice[0] = cfg_dict.get("run_dir") or time.strftime("outputs/%Y-%m-%d/%H-%M-%S-torchrun")
+            choice[0] = cfg_dict.get("run_dir") or _torchrun_run_dir()
             Path(choice[0], ".hydra").mkdir(parents=True, exist_ok=True)
             OmegaConf.save(OmegaConf.create(cfg_dict), Path(choice[0], ".hydra", "config.yaml"))
             OmegaConf.save(OmegaConf.create(sys.argv[1:]), Path(choice[0], ".hydra", "overrides.yaml"))
@@ -157,7 +205,21 @@ def _agree_on_run_dir(run_dir: str | None, cfg_dict: dict) -> str:
     return str(Path(run_dir).resolve())
 
 
+def _torchrun_run_dir() -> str:
+    """A new dated directory at torchrun's first start of the workers; the same one when it restarts them
+    (--max-restarts), so that they resume from its checkpoints. Found again through a note named by the
+    run id, which torchrun keeps across restarts."""
+    note = Path("outputs", ".torchrun", os.environ["TORCHELASTIC_RUN_ID"])
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and note.is_file():
+        return note.read_text().strip()
+    run_dir = time.strftime("outputs/%Y-%m-%d/%H-%M-%S-torchrun")
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text(run_dir)
+    return run_dir
+
+
 def _train(cfg, run_dir: Path, device: torch.device) -> None:
+    from parallel import checkpoint
     from parallel.trainer import build_run, save_final, train
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -171,7 +233,9 @@ def _train(cfg, run_dir: Path, device: torch.device) -> None:
     run = build_run(cfg, dims, device)
     console_on(run.is_logger)
     try:
-        train(cfg, run, run_dir)
+        path = checkpoint.resume_target(cfg, run_dir)
+        start = 0 if path is None else checkpoint.load(run, path)
+        train(cfg, run, run_dir, start)
         if cfg.trainer.save_final:
             save_final(run.engine, run_dir / "final_model.pt")
     finally:

@@ -107,15 +107,21 @@ class PeakMemory:
 class Metrics:
     """Writes one record per logged step to metrics.jsonl and TensorBoard (logging rank only)."""
 
-    def __init__(self, run_dir: Path, is_logger: bool, hparams_text: str = ""):
+    def __init__(self, run_dir: Path, is_logger: bool, hparams_text: str = "", start: int = 0):
+        """`start`: the step a resumed run continues after; what the run logged past it (before it
+        stopped) is dropped from both sinks, so they read as one run."""
         self.is_logger = is_logger
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
         if is_logger:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            if hparams_text:
+            if start and self.path.exists():
+                kept = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= start]
+                self.path.write_text("".join(line + "\n" for line in kept))
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start + 1 if start else None)
+            if hparams_text and not start:
                 self.writer.add_text("config", "```\n" + hparams_text + "\n```", 0)
             self._file = open(self.path, "a", buffering=1)
 

@@ -33,6 +33,7 @@ class Run:
     data: object  # parallel.data: SyntheticData or ShardData
     device: torch.device
     is_logger: bool
+    plan: dict  # parallel.init.InitPlan of the unpartitioned model: names -> canonical names of tied weights
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
 
 
@@ -55,7 +56,7 @@ def build_run(cfg: Config, dims: ParallelDims, device: torch.device, mesh=None, 
         data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
     # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
-    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, device, is_logger)
+    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, device, is_logger, plan)
 
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -84,21 +85,26 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     return loss, norm, data_time
 
 
-def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
-    """Run `trainer.steps` steps; log every `trainer.log_every`. Returns the logged losses."""
+def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
+    """Run steps `start`+1 .. `trainer.steps`; log every `trainer.log_every`, save a checkpoint every
+    `trainer.checkpoint_every`. Returns the logged losses."""
+    from parallel.checkpoint import Checkpointer
+
     t = cfg.trainer
-    metrics = Metrics(run_dir, run.is_logger, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    metrics = Metrics(run_dir, run.is_logger, OmegaConf.to_yaml(OmegaConf.structured(cfg)), start)
+    checkpoints = Checkpointer(cfg, run_dir)
     memory = PeakMemory(run.device)
-    bar = tqdm(total=t.steps, disable=not (run.is_logger and t.progress), desc="train", leave=False)
+    bar = tqdm(total=t.steps, initial=start, disable=not (run.is_logger and t.progress), desc="train",
+               leave=False)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
     # run; freezing it keeps the cyclic garbage collector from re-scanning it in
     # the middle of steps.
     gc.collect()
     gc.freeze()
     losses, window = [], _Window()
-    for step in range(1, t.steps + 1):
+    for step in range(start + 1, t.steps + 1):
         logging_step = step % t.log_every == 0 or step == t.steps
-        watched = step == 1 or logging_step
+        watched = step == start + 1 or logging_step
         t0 = time.perf_counter()
         with memory.watch(run.engine, run.optimizer) if watched else contextlib.nullcontext():
             loss, norm, data_time = train_step(run, step)
@@ -106,30 +112,39 @@ def train(cfg: Config, run: Run, run_dir: Path) -> list[float]:
             torch.cuda.synchronize(run.device)
         window.add(time.perf_counter() - t0, data_time, watched)
         bar.update(1)
-        if not logging_step:
-            continue
-        # Each dp rank averaged over an equal slice, so the mean of their means is the global mean.
-        loss_value = all_mean(loss, run.engine.loss_group).item()
-        losses.append(loss_value)
-        step_time, data_time = window.take()
-        record = {
-            "step": step, "loss": loss_value, "lr": run.scheduler.get_last_lr()[0],
-            "grad_norm": float(norm), "step_time_s": step_time,
-            "data_time_s": data_time,
-            "samples_per_s": t.batch_size / step_time,
-        }
-        record.update(run.engine.metrics())
-        record.update(memory_record(memory))
-        record.update(state_record(run))
-        metrics.log(record)
-        bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
-        if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
-            log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s", step, loss_value,
-                     record["grad_norm"], record["samples_per_s"])
+        if logging_step:
+            record = log_step(run, metrics, memory, window, step, loss, norm)
+            losses.append(record["loss"])
+            bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
+        if checkpoints.due(step):
+            checkpoints.save(run, step)
     gc.unfreeze()  # a sweep runs several jobs in one process: let this run's objects go
     bar.close()
     metrics.close()
     return losses
+
+
+def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", step: int, loss: torch.Tensor,
+             norm: torch.Tensor) -> dict:
+    """Write the record of a logged step (collective: every rank calls it) and return it."""
+    t = run.cfg.trainer
+    # Each dp rank averaged over an equal slice, so the mean of their means is the global mean.
+    loss_value = all_mean(loss, run.engine.loss_group).item()
+    step_time, data_time = window.take()
+    record = {
+        "step": step, "loss": loss_value, "lr": run.scheduler.get_last_lr()[0],
+        "grad_norm": float(norm), "step_time_s": step_time,
+        "data_time_s": data_time,
+        "samples_per_s": t.batch_size / step_time,
+    }
+    record.update(run.engine.metrics())
+    record.update(memory_record(memory))
+    record.update(state_record(run))
+    metrics.log(record)
+    if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
+        log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s", step, loss_value,
+                 record["grad_norm"], record["samples_per_s"])
+    return record
 
 
 class _Window:

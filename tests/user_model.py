@@ -188,3 +188,28 @@ def ahead_probe(steps: int = 6) -> nn.Module:
             return super().trainable_forward(features)
 
     return AheadProbe()
+
+
+class DiesOnce(nn.Sequential):
+    """A small MLP whose rank 1 process is killed (SIGKILL) in the forward of step `die_at`, at torchrun's
+    first start of the workers only: a worker lost mid-run, for the elastic restart test."""
+
+    def __init__(self, features: int, width: int, out: int, die_at: int):
+        super().__init__(nn.Linear(features, width), nn.Tanh(), nn.Linear(width, out))
+        self.die_at, self.calls = die_at, 0
+
+    def forward(self, x):
+        import os
+        import signal
+
+        import torch.distributed as dist
+
+        self.calls += 1
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.calls == self.die_at and first_start and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
+def dies_once(features: int = 32, width: int = 64, out: int = 4, die_at: int = 0) -> nn.Module:
+    return DiesOnce(features, width, out, die_at)

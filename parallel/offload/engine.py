@@ -747,6 +747,68 @@ class OffloadEngine:
             state[fqn] = buf.detach().cpu().clone()
         return state
 
+    @torch.no_grad()
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(weights and buffers, AdamW state) under the original names, as CPU copies read from the tiers
+        (parallel.checkpoint; the state the first step has not made yet is zeros, as AdamW starts it)."""
+        model = self.full_state_dict()  # also waits for the step in flight
+        optim = {}
+
+        def put(p: nn.Parameter, m: torch.Tensor, v: torch.Tensor) -> None:
+            optim[self.fqns[p]] = {"step": self.steps[p].clone(), "exp_avg": m.detach().cpu().clone(),
+                                   "exp_avg_sq": v.detach().cpu().clone()}
+
+        for b in self.blocks:
+            if b.trainable:
+                m, v, pooled = self._states(b)
+                for s in b.trainable:
+                    put(s.param, s.view(m), s.view(v))
+                if pooled:
+                    self.pool.give(m)
+                    self.pool.give(v)
+        for p in self.resident:
+            if p.requires_grad:
+                put(p, *self.resident_state.get(p, (torch.zeros_like(p), torch.zeros_like(p))))
+        return model, optim
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, model: dict, optim: dict) -> None:
+        """Write loaded weights, buffers and AdamW state (as `checkpoint_state` gives them) to their tiers."""
+        if self.last_step is not None:
+            finish(self.last_step)
+            self.last_step = None
+        tier_w, tier_o = self.tiers["params"], self.tiers["optimizer"]
+        for b in self.blocks:
+            flat = b.pool.take() if self.stream_params else b.buffer
+            for s in b.slots:
+                s.view(flat).copy_(model[s.fqn])
+            if self.stream_params:
+                finish(tier_w.write(self._key(b), flat[:b.nbytes]))
+                b.pool.give(flat)
+            if b.trainable:
+                m, v, pooled = self._states(b)
+                for s in b.trainable:
+                    s.view(m).copy_(optim[s.fqn]["exp_avg"])
+                    s.view(v).copy_(optim[s.fqn]["exp_avg_sq"])
+                    self.steps[s.param].copy_(optim[s.fqn]["step"])
+                if pooled:
+                    finish(tier_o.write(self._key(b, "m"), m[:b.nbytes]))
+                    finish(tier_o.write(self._key(b, "v"), v[:b.nbytes]))
+                    b.state_ready = True
+                    self.pool.give(m)
+                    self.pool.give(v)
+        for fqn, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) not in self.block_of:
+                p.copy_(model[fqn])
+        for p in self.resident:
+            if p.requires_grad:
+                s = optim[self.fqns[p]]
+                self.resident_state[p] = (s["exp_avg"].to(self.device).clone(),
+                                          s["exp_avg_sq"].to(self.device).clone())
+                self.steps[p].copy_(s["step"])
+        for fqn, buf in self.model.named_buffers():
+            buf.copy_(model[fqn])
+
     def close(self) -> None:
         """Wait for transfers, then remove every offload file."""
         for ex in (self.ahead, self.stepper, self.io):

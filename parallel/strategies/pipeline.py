@@ -415,6 +415,10 @@ class PipelineEngine:
         counted = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in skip]
         return clip_grads(grads, max_norm, counted=counted, sum_group=self.pp_group)
 
+    def state_modules(self) -> list[nn.Module]:
+        """This rank's stages: their state dicts hold the original names (parallel.checkpoint)."""
+        return list(self.model)
+
     def full_state_dict(self) -> dict:
         """Every stage's tensors under their original names, gathered on global rank 0.
 

@@ -81,6 +81,9 @@ BAD_CLI = [
     (["model=custom", "model._target_=nowhere.fn"], "model._target_"),
     (["model=custom", "model._target_=tests.user_model.not_a_module"], "model._target_"),
     (["model=transformer9"], "model"),
+    (["trainer.checkpoint_every=often"], "trainer.checkpoint_every"),
+    (["trainer.resume=nowhere"], "trainer.resume"),
+    (["model=gpt"], "data.task"),
 ]
 
 

@@ -52,7 +52,12 @@ BAD = [
     ({"strategy__name": "offload", "strategy__path": __file__ + "/offload"}, 1, "strategy.path"),  # under a file
     ({"model__name": "stacked", "model__frozen_checkpoint": "/no/such/file.pt"}, 1, "model.frozen_checkpoint"),
     ({"data__task": "vision"}, 1, "data.task"),
+    ({"model__name": "gpt", "model__args": {"vocab_size": 64, "seq_len": 32}}, 1, "data.task"),  # takes token ids
     ({"data__features": -3}, 1, "data.features"),
+    ({"trainer__checkpoint_every": -1}, 1, "trainer.checkpoint_every"),
+    ({"trainer__keep_checkpoints": 0}, 1, "trainer.keep_checkpoints"),
+    ({"trainer__resume": "/no/such/run"}, 1, "trainer.resume"),
+    ({"trainer__resume": __file__}, 1, "trainer.resume"),  # a file, not a run or checkpoint directory
     ({"optim__lr": 0.0}, 1, "optim.lr"),
     ({"optim__betas": [0.9]}, 1, "optim.betas"),
     ({"optim__schedule": "linear"}, 1, "optim.schedule"),

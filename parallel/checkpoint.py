@@ -1,0 +1,357 @@
+"""Checkpoints that load under any strategy and world size, written so that a crash never leaves a bad one.
+
+# Note [checkpoint layout]
+    <run_dir>/checkpoints/step-000040/
+        .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): tensors by unpartitioned name
+        rng-<rank>.pt                  each rank's random number generator states
+        trainer.json                   step, LR schedule, what it was saved under, every file's size
+
+The tensors are keyed by the names of the unpartitioned model, whatever holds
+them: `model.<name>` for every parameter and buffer, `optim.<name>.<exp_avg |
+exp_avg_sq | step>` for AdamW's state, a weight tied to another (an output head
+tied to the embedding) under its first name. A rank saves its own pieces (an
+FSDP shard, a tensor-parallel slice, a pipeline stage's weights, ZeRO-1's share
+of the optimizer state) as DTensors or plain tensors, and DCP records which
+part of each tensor each file holds; loading asks for the pieces this rank holds
+now, under another strategy or world size, and DCP reads the overlapping parts
+(resharding). Replicated tensors are written once.
+
+The data position is the step: both data sources are functions of (seed,
+step), so a run resumed at step k reads the batches of steps k+1.. on any
+world size (Note [shard order]).
+
+# Note [atomic checkpoint]
+A checkpoint is written into `step-N.partial/`; after every rank has written
+its part, rank 0 writes `trainer.json` (listing each file and its size) and
+renames the directory to `step-N`. A directory without the suffix whose files
+all have their listed sizes is complete; anything else (a crash mid-write, a
+truncated copy, a disk that filled) is skipped for the newest complete one
+before it, with a warning. The newest `trainer.keep_checkpoints` are kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from parallel.config import Config, ConfigError, build_meta_model
+from parallel.metrics import log
+
+SUFFIX = ".partial"
+META = "trainer.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
+
+
+def checkpoints_of(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+# ---- what is saved --------------------------------------------------------------------------------------------
+
+def _adamw_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
+    """AdamW's state of `p`, made now (zeros) when the first step has not made it yet, as AdamW makes it
+    (not fused, not capturable): a load fills it in place, and AdamW then takes it as its own."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def training_state(run) -> tuple[dict, list[tuple[dict, dict]]]:
+    """This rank's tensors under their unpartitioned names (Note [checkpoint layout]).
+
+    Returns (state dict for DCP, copies): the tensors are the live ones, so a
+    load fills the model and the optimizer in place. `copies` pairs a second
+    copy of a tied weight's optimizer state on this rank (two pipeline stages of
+    one rank) with the first, to be made equal after a load.
+    """
+    engine = run.engine
+    if hasattr(engine, "checkpoint_state"):  # an engine that keeps its tensors itself (offload)
+        model, optim = engine.checkpoint_state()
+        return {"model": model, "optim": optim}, []
+    optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeroRedundancyOptimizer: this rank's share
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    model, optim, copies = {}, {}, []
+    for module in engine.state_modules():
+        model.update(module.state_dict())
+        for fqn, p in module.named_parameters():
+            if id(p) not in owned:
+                continue
+            state, name = _adamw_state(optimizer, p), run.plan[fqn][2]
+            if name in optim:
+                copies.append((state, optim[name]))
+            else:
+                optim[name] = state
+    return {"model": model, "optim": optim}, copies
+
+
+def expected_keys(cfg: Config) -> dict[str, tuple]:
+    """Every key a checkpoint of this model holds, with its shape (built on the meta device)."""
+    model = build_meta_model(cfg.model)
+    keys = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():  # the first name of a tied weight, as `training_state` keys it
+        if p.requires_grad:
+            keys[f"optim.{name}.step"] = ()
+            keys[f"optim.{name}.exp_avg"] = keys[f"optim.{name}.exp_avg_sq"] = tuple(p.shape)
+    return keys
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- finding a complete one -----------------------------------------------------------------------------------
+
+def incomplete(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded, or None when it is complete (Note [atomic checkpoint])."""
+    if path.name.endswith(SUFFIX):
+        return "unfinished (its writer stopped before the end)"
+    try:
+        meta = json.loads((path / META).read_text())
+        files = meta["files"]
+    except FileNotFoundError:
+        return f"no {META} (unfinished)"
+    except (ValueError, KeyError) as e:
+        return f"{META} unreadable ({e})"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} holds {f.stat().st_size} bytes of the {size} written (truncated)"
+    return None
+
+
+def newest_complete(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint of a run directory, and a line for each newer one skipped."""
+    root = checkpoints_of(run_dir)
+    found = sorted((p for p in root.glob("step-*") if p.is_dir()), key=_step_of, reverse=True) \
+        if root.is_dir() else []
+    skipped = []
+    for path in found:
+        why = incomplete(path)
+        if why is None:
+            return path, skipped
+        skipped.append(f"{path}: {why}")
+    return None, skipped
+
+
+def _step_of(path: Path) -> int:
+    digits = path.name.removeprefix("step-").removesuffix(SUFFIX)
+    return int(digits) if digits.isdigit() else -1
+
+
+def find(value: str | os.PathLike, run_dir: Path | None = None) -> tuple[Path | None, list[str]]:
+    """The checkpoint `trainer.resume` names: a checkpoint directory, a run directory (its newest
+    complete one) or `auto` (that of `run_dir`). Returns (path or None, lines for skipped ones).
+
+    Raises:
+        ConfigError: a path that is neither, or a named checkpoint that is not complete.
+    """
+    if value == "auto":
+        return newest_complete(run_dir)
+    path = Path(value).expanduser()
+    key = f"trainer.resume={str(value)!r}"
+    if (path / META).exists() or path.name.startswith("step-"):
+        why = incomplete(path) if path.is_dir() else "no such directory"
+        if why is not None:
+            raise ConfigError(f"{key}: this checkpoint cannot be loaded: {why}; name its run directory to "
+                              "take the newest complete one")
+        return path, []
+    if not path.is_dir():
+        what = "not a directory" if path.exists() else "no such directory"
+        raise ConfigError(f"{key}: {what} (valid: a run directory, one of its checkpoints/step-N, or auto)")
+    found, skipped = newest_complete(path)
+    if found is None:
+        detail = "; ".join(skipped) if skipped else f"{checkpoints_of(path)} holds none"
+        raise ConfigError(f"{key}: no complete checkpoint ({detail}); runs save them with "
+                          "trainer.checkpoint_every=N")
+    return found, skipped
+
+
+def check_resume(cfg: Config) -> None:
+    """Before any worker starts: an explicit `trainer.resume` names a complete checkpoint of this model,
+    taken before the last step. Raises ConfigError naming the key."""
+    value = cfg.trainer.resume
+    if value is None or value == "auto":
+        return
+    path, _ = find(value)
+    key = f"trainer.resume={str(value)!r}"
+    meta = json.loads((path / META).read_text())
+    if meta["step"] >= cfg.trainer.steps:
+        raise ConfigError(f"{key}: {path.name} was taken at step {meta['step']}, and trainer.steps="
+                          f"{cfg.trainer.steps}: nothing left to train (raise trainer.steps)")
+    saved = {k: tuple(getattr(v, "size", ())) for k, v in
+             dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()}
+    want = expected_keys(cfg)
+    missing = sorted(set(want) - set(saved))
+    extra = sorted(set(saved) - set(want))
+    shapes = sorted(k for k in set(want) & set(saved) if want[k] != saved[k])
+    if missing or extra or shapes:
+        parts = [f"{len(missing)} missing (e.g. {missing[:3]})" if missing else "",
+                 f"{len(extra)} not in this model (e.g. {extra[:3]})" if extra else "",
+                 "shapes differ: " + ", ".join(f"{k} {saved[k]} saved, {want[k]} here" for k in shapes[:3])
+                 if shapes else ""]
+        raise ConfigError(f"{key}: saved from another model than model={cfg.model.name}: "
+                          + "; ".join(p for p in parts if p))
+
+
+# ---- saving ---------------------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """Saves every `trainer.checkpoint_every` steps and at the last step (Note [atomic checkpoint])."""
+
+    def __init__(self, cfg: Config, run_dir: Path):
+        t = cfg.trainer
+        self.cfg, self.every, self.keep, self.last = cfg, t.checkpoint_every, t.keep_checkpoints, t.steps
+        self.root = checkpoints_of(run_dir)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step % self.every == 0 or step == self.last)
+
+    def save(self, run, step: int) -> Path:
+        rank = dist.get_rank()
+        final, partial = step_dir(self.root, step), step_dir(self.root, step).with_name(
+            step_dir(self.root, step).name + SUFFIX)
+        t0 = time.perf_counter()
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(f"*{SUFFIX}"):  # left by a run that stopped while writing
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+        state, _ = training_state(run)
+        dcp.save(state, checkpoint_id=str(partial))
+        torch.save(_rng_state(), partial / f"rng-{rank}.pt")
+        dist.barrier()  # every rank's files are whole
+        if rank == 0:
+            self._seal(run, step, partial, final)
+        dist.barrier()  # no rank goes on (or stops) before the checkpoint is complete
+        log.info("checkpoint at step %d: %s (%.2f s)", step, final, time.perf_counter() - t0)
+        return final
+
+    def _seal(self, run, step: int, partial: Path, final: Path) -> None:
+        files = {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()}
+        s = self.cfg.strategy
+        meta = {"step": step, "world_size": dist.get_world_size(),
+                "strategy": {"name": s.name, "dp": s.dp, "pp": s.pp, "tp": s.tp, "zero": s.zero},
+                "scheduler": run.scheduler.state_dict(), "files": files,
+                "bytes": sum(files.values()), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        _write_durably(partial / META, json.dumps(meta, indent=1))
+        if final.exists():  # taken before by a run that resumed from an earlier one
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _sync_dir(self.root)
+        complete = sorted((p for p in self.root.glob("step-*") if p.is_dir() and not p.name.endswith(SUFFIX)),
+                          key=_step_of)
+        for old in complete[:-self.keep]:
+            doomed = old.with_name(old.name + SUFFIX)  # never seen as complete while half removed
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- resuming -------------------------------------------------------------------------------------------------
+
+def resume_target(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint this run continues from, the same on every rank; None: start at step 0.
+
+    `trainer.resume` names it. Workers restarted by torchrun (`--max-restarts`)
+    resume from their run directory's newest complete one, and from what
+    `trainer.resume` names only while the run has saved none of its own.
+    """
+    value = cfg.trainer.resume
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if value is None and restart == 0:
+        return None
+    box: list = [None, None]  # (path, error), rank 0's answer for every rank
+    if dist.get_rank() == 0:
+        try:
+            path, skipped = find("auto", run_dir) if restart or value == "auto" else (None, [])
+            if path is None and value not in (None, "auto"):
+                path, more = find(value, run_dir)
+                skipped += more
+        except ConfigError as e:  # the named checkpoint has gone since the check before the start
+            path, skipped, box[1] = None, [], str(e)
+        for line in skipped:
+            log.warning("checkpoint skipped: %s", line)
+        if path is None and box[1] is None:
+            log.info("no complete checkpoint in %s: starting at step 0", checkpoints_of(run_dir))
+        box[0] = None if path is None else str(path)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    if restart:
+        log.info("restart %d of the workers (torchrun --max-restarts)", restart)
+    return None if box[0] is None else Path(box[0])
+
+
+def load(run, path: Path) -> int:
+    """Fill the run's model, optimizer, schedule and RNG from the checkpoint at `path`; return its step."""
+    meta = json.loads((path / META).read_text())
+    t0 = time.perf_counter()
+    state, copies = training_state(run)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # DCP raises one CheckpointException holding every rank's error
+        first = str(e).strip().splitlines()
+        raise ConfigError(f"trainer.resume: cannot load {path}: {type(e).__name__}: "
+                          f"{first[-1] if first else ''}") from None
+    with torch.no_grad():
+        for dst, src in copies:
+            for key, value in src.items():
+                dst[key].copy_(value)
+    if hasattr(run.engine, "load_checkpoint_state"):
+        run.engine.load_checkpoint_state(state["model"], state["optim"])
+    run.scheduler.load_state_dict(meta["scheduler"])
+    for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
+        group["lr"] = lr
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = path / f"rng-{rank}.pt"
+    if meta["world_size"] == world and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    elif rank == 0:
+        log.info("random number generators: saved for %d ranks, this run has %d; each rank keeps its own seed",
+                 meta["world_size"], world)
+    saved = meta["strategy"]
+    log.info("resumed from %s (step %d; saved under strategy=%s on %d ranks) in %.2f s", path, meta["step"],
+             saved["name"], meta["world_size"], time.perf_counter() - t0)
+    return int(meta["step"])
