@@ -250,6 +250,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
         s.schedule = name
         if s.stages_per_rank is None:
             s.stages_per_rank = schedules.default_stages_per_rank(name)
+        _positive("strategy.stages_per_rank", s.stages_per_rank)  # before microbatches are derived from it
         if s.microbatches is None:
             s.microbatches = 2 * s.pp * s.stages_per_rank
     return cfg

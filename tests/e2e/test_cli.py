@@ -106,6 +106,20 @@ def test_failed_worker_ends_the_run_with_its_rank_and_error(tmp_path):
     assert proc.returncode == 1
     assert "worker rank 1 failed" in proc.stderr
     assert "boom from the user's forward" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1  # rank 1's, once; rank 0 only stopped
+
+
+@pytest.mark.timeout(120)
+def test_failed_worker_under_torchrun_shows_its_error_once(tmp_path):
+    proc = cli.run(cli.FAST + ["strategy=data", "model=custom", "model._target_=tests.user_model.exploding",
+                               "trainer.timeout_s=30", f"run_dir={tmp_path}"], cwd=tmp_path, check=False,
+                   timeout=100, launcher=cli.torchrun(2))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "error: worker rank 1 failed: RuntimeError: boom from the user's forward" in out
+    assert "rank 0: stopped: another worker failed" in out  # one line, not a traceback of its own
+    # torchrun's own, and its summary's of the first failure (rank 1): no worker prints one besides
+    assert out.count("Traceback (most recent call last)") == 2, out
 
 
 def test_train_script_is_importable_without_running():
@@ -115,3 +129,47 @@ def test_train_script_is_importable_without_running():
     module = importlib.import_module("train")
     assert callable(module.main)
     assert Path(module.__file__).name == "train.py"
+
+
+def _override(dotted: str, value) -> str | None:
+    """A Hydra command-line override for one row of the validation table (None: no plain override for it)."""
+    key = dotted.replace("__", ".")
+    if isinstance(value, dict):
+        return None
+    if isinstance(value, bool):
+        value = str(value).lower()
+    elif isinstance(value, list):
+        value = "[" + ",".join(map(str, value)) + "]"
+    return f"{key}={value}"
+
+
+def _table_rows():
+    from tests.unit.test_validation import BAD
+
+    rows = []
+    for changes, world, key in BAD:
+        overrides = [_override(k, v) for k, v in changes.items()]
+        if None not in overrides:
+            rows.append(pytest.param(overrides + [f"nproc={world}"], key, id=" ".join(overrides)))
+    return rows
+
+
+@pytest.mark.parametrize("overrides,key", _table_rows())
+def test_every_row_of_the_validation_table_fails_cleanly_from_the_command_line(overrides, key, tmp_path,
+                                                                              monkeypatch, capsys):
+    """Each row of tests/unit/test_validation.BAD given as overrides to launch/train.py (in this process):
+    exit status 2, one line naming the key, no traceback, nothing started."""
+    import runpy
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [cli.TRAIN, *overrides, "hydra.run.dir=run"])
+    GlobalHydra.instance().clear()
+    with pytest.raises(SystemExit) as info:
+        runpy.run_path(cli.TRAIN, run_name="__main__")
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert err.startswith(f"config error: {key}"), err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
