@@ -234,8 +234,8 @@ class Checkpointer:
 
     def save(self, run, step: int) -> Path:
         rank = dist.get_rank()
-        final, partial = step_dir(self.root, step), step_dir(self.root, step).with_name(
-            step_dir(self.root, step).name + SUFFIX)
+        final = step_dir(self.root, step)
+        partial = final.with_name(final.name + SUFFIX)
         t0 = time.perf_counter()
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)

@@ -131,9 +131,8 @@ def worker(cfg_dict: dict, run_dir: str | None) -> None:
             raise  # recorded (@record) for the launcher's report of the first failure
         # A consequence of another worker's failure: one line here, and no error file
         # (an exit status is not recorded), so the report shows the cause alone.
-        first = (str(e).strip().splitlines() or [""])[0]
         print(f"rank {os.environ.get('RANK', '?')}: stopped: another worker failed ({type(e).__name__}: "
-              f"{first[:160]})", file=sys.stderr)
+              f"{_first_line(e)[:160]})", file=sys.stderr)
         sys.exit(1)
 
 
@@ -164,9 +163,13 @@ def report_worker_error(e: Exception) -> int:
 
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         traceback.print_exception(e)
-    first = (str(e).strip().splitlines() or [""])[0]
-    print(f"error: worker rank {os.environ.get('RANK', '?')} failed: {type(e).__name__}: {first}", file=sys.stderr)
+    print(f"error: worker rank {os.environ.get('RANK', '?')} failed: {type(e).__name__}: {_first_line(e)}",
+          file=sys.stderr)
     return 1
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
