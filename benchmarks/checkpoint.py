@@ -48,9 +48,11 @@ def worker(rank: int, world: int, name: str, zero: int, args, work: str, port: i
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     from parallel import checkpoint
-    from parallel.config import Config, validate
+    from parallel.config import Config
     from parallel.dims import ParallelDims
+    from parallel.runtime import Runtime
     from parallel.trainer import build_run, train_step
+    from parallel.validate import validate
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = Config()
@@ -58,7 +60,7 @@ def worker(rank: int, world: int, name: str, zero: int, args, work: str, port: i
     cfg.strategy.name, cfg.strategy.zero = name, zero
     cfg.trainer.batch_size, cfg.trainer.keep_checkpoints = 8, args.pairs + 1  # removed below, not timed
     validate(cfg, world)
-    run = build_run(cfg, ParallelDims.from_config(cfg.strategy, world), torch.device("cpu"))
+    run = build_run(cfg, ParallelDims.of(cfg.strategy, world), Runtime(device=torch.device("cpu")))
     train_step(run, 1)  # AdamW's state exists
     sharded = name == "data" and zero >= 2
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

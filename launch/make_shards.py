@@ -17,7 +17,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
+
 from parallel.config import ConfigError  # noqa: E402
+from parallel.data.shards import ShardWriter  # noqa: E402
+from parallel.entry import reported  # noqa: E402
 
 KEYS = {"features": None, "targets": None, "out": None, "shard_size": "256MB"}
 
@@ -37,41 +41,33 @@ def parse(argv: list[str]) -> dict:
     return args
 
 
-def main(argv: list[str]) -> int:
-    import numpy as np
-
-    from parallel.data.shards import ShardWriter
-
-    try:
-        args = parse(argv)
-        columns = {}
-        for key in ("features", "targets"):
-            try:
-                columns[key] = np.load(args[key], mmap_mode="r")
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"{key}={args[key]!r}: cannot be read as a .npy array ({e})") from None
-        if columns["features"].ndim == 0 or columns["targets"].ndim == 0:
-            raise ConfigError("features and targets need one row per sample (a first dimension)")
-        n = len(columns["features"])
-        if n != len(columns["targets"]):
-            raise ConfigError(f"targets: {len(columns['targets'])} samples, where features has {n}")
-        t0 = time.perf_counter()
-        writer = ShardWriter(args["out"], args["shard_size"])
-        chunk = 1 << 16
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            writer.add_arrays({k: c[lo:hi] for k, c in columns.items()})
-            print(f"\rwritten {hi:,} / {n:,} samples", end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
-        m = writer.close()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+@reported
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    columns = {}
+    for key in ("features", "targets"):
+        try:
+            columns[key] = np.load(args[key], mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}={args[key]!r}: cannot be read as a .npy array ({e})") from None
+    if columns["features"].ndim == 0 or columns["targets"].ndim == 0:
+        raise ConfigError("features and targets need one row per sample (a first dimension)")
+    n = len(columns["features"])
+    if n != len(columns["targets"]):
+        raise ConfigError(f"targets: {len(columns['targets'])} samples, where features has {n}")
+    t0 = time.perf_counter()
+    writer = ShardWriter(args["out"], args["shard_size"])
+    chunk = 1 << 16
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        writer.add_arrays({k: c[lo:hi] for k, c in columns.items()})
+        print(f"\rwritten {hi:,} / {n:,} samples", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    m = writer.close()
     total = sum(s["bytes"] for s in m.shards)
     print(f"{m.count:,} samples in {len(m.shards)} shards ({total / 1e6:.1f} MB, {m.dtype.itemsize} bytes each) "
           f"in {time.perf_counter() - t0:.1f} s -> {args['out']}; task hints {m.record['hints']}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])

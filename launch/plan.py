@@ -20,7 +20,11 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from parallel.config import ConfigError, to_config, validate  # noqa: E402
+from parallel.config import ConfigError  # noqa: E402
+from parallel.entry import reported  # noqa: E402
+from parallel.planner import KINDS, plan  # noqa: E402
+from parallel.units import human_bytes  # noqa: E402
+from parallel.validate import to_config, validate  # noqa: E402
 
 OPTIONS = {"world_size": None, "plan.by_module": False, "plan.top": 20}
 
@@ -45,18 +49,9 @@ def _take_options(argv: list[str]) -> dict:
                     raise ValueError
         except ValueError:
             rule = "must be true or false" if key == "plan.by_module" else "must be an integer >= 1"
-            print(f"config error: {key}={value!r}: {rule}", file=sys.stderr)
-            sys.exit(2)
+            raise ConfigError(f"{key}={value!r}: {rule}") from None
     argv[:] = keep
     return options
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -67,19 +62,14 @@ def _ranks(ranks: list[int]) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@reported
 def main(dcfg: DictConfig) -> None:
-    from parallel.planner import KINDS, plan
-
     options = OPTIONS_GIVEN
-    try:
-        cfg = to_config(dcfg)
-        world = options["world_size"] or cfg.nproc or 1
-        cfg.nproc = None
-        validate(cfg, world)
-        plans = plan(cfg, world, by_module=options["plan.by_module"])
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cfg = to_config(dcfg)
+    world = options["world_size"] or cfg.nproc or 1
+    cfg.nproc = None
+    validate(cfg, world)
+    plans = plan(cfg, world, by_module=options["plan.by_module"])
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     os.makedirs(run_dir, exist_ok=True)
     head = f"{'rank':>4}  {'ranks alike':<12}" + "".join(f"{k:>12}" for k in KINDS) + f"{'total':>12}  peak in"
@@ -88,8 +78,8 @@ def main(dcfg: DictConfig) -> None:
     print(head)
     for p in plans:
         where = p.peak_phase + (f" ({p.peak_module})" if p.peak_module else "")
-        print(f"{p.rank:>4}  {_ranks(p.same_as):<12}" + "".join(f"{_human(getattr(p, k)):>12}" for k in KINDS)
-              + f"{_human(p.total):>12}  {where}")
+        print(f"{p.rank:>4}  {_ranks(p.same_as):<12}" + "".join(f"{human_bytes(getattr(p, k)):>12}" for k in KINDS)
+              + f"{human_bytes(p.total):>12}  {where}")
     if options["plan.by_module"] and plans[0].by_module:
         rows = plans[0].by_module[:options["plan.top"]]
         print(f"\nby module, rank {plans[0].rank} (own parameters, saved for backward, forward temporaries), "
@@ -97,8 +87,8 @@ def main(dcfg: DictConfig) -> None:
         width = max(len(r["name"]) for r in rows)
         print(f"{'module':<{width}}  {'type':<20}{'params':>12}{'saved':>12}{'temp':>12}{'total':>12}")
         for r in rows:
-            print(f"{r['name']:<{width}}  {r['type'][:19]:<20}{_human(r['params']):>12}{_human(r['saved']):>12}"
-                  f"{_human(r['temp']):>12}{_human(r['total']):>12}")
+            print(f"{r['name']:<{width}}  {r['type'][:19]:<20}{human_bytes(r['params']):>12}{human_bytes(r['saved']):>12}"
+                  f"{human_bytes(r['temp']):>12}{human_bytes(r['total']):>12}")
     record = {"world_size": world, "strategy": cfg.strategy.name, "ranks": [
         {k: v for k, v in vars(p).items() if k != "by_module"} for p in plans]}
     if options["plan.by_module"]:
@@ -109,6 +99,13 @@ def main(dcfg: DictConfig) -> None:
     print(f"written: {path}")
 
 
-if __name__ == "__main__":
-    OPTIONS_GIVEN = _take_options(sys.argv)
+OPTIONS_GIVEN: dict = {}
+
+
+def _run() -> None:
+    OPTIONS_GIVEN.update(_take_options(sys.argv))
     main()
+
+
+if __name__ == "__main__":
+    reported(_run)()

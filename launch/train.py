@@ -7,46 +7,38 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from parallel.config import ConfigError, to_config, validate  # noqa: E402
-from parallel.launcher import (WorkerFailed, check_world_size, in_submitit_job, join_submitit_job,  # noqa: E402
-                               launch, report_worker_error, under_torchrun, worker)
+from parallel.auto import choose, device_budget, table  # noqa: E402
+from parallel.config import ConfigError, to_dict  # noqa: E402
+from parallel.entry import reported  # noqa: E402
+from parallel.launcher import check_world_size, in_submitit_job, join_submitit_job, launch, under_torchrun, worker  # noqa: E402
+from parallel.validate import to_config, validate  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@reported
 def main(dcfg: DictConfig) -> None:
     started_by = "torchrun" if under_torchrun() else None
     if started_by is None and in_submitit_job():
         join_submitit_job()  # each task of the job is one worker
         started_by = "the SLURM job"
-    try:
-        cfg = to_config(dcfg)
-        world = check_world_size(cfg.nproc, started_by)
-        validate(cfg, world)
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cfg = to_config(dcfg)
+    world = check_world_size(cfg.nproc, started_by)
+    validate(cfg, world)
     # Workers get the validated config with derived values filled in (degrees, microbatches).
-    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    cfg_dict = to_dict(cfg)
     if started_by == "torchrun":
-        try:
-            worker(cfg_dict, None)  # rank 0 picks the run dir (Note [one run directory])
-        except ConfigError as e:  # found while building or resuming
-            if os.environ.get("RANK", "0") == "0":
-                print(f"config error: {e}", file=sys.stderr)
-            sys.exit(2)
-        except Exception as e:
-            sys.exit(report_worker_error(e))
+        worker(cfg_dict, None)  # rank 0 picks the run dir (Note [one run directory])
         return
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     if cfg.strategy.name == "auto":
@@ -54,44 +46,23 @@ def main(dcfg: DictConfig) -> None:
     if started_by is not None:
         worker(cfg_dict, run_dir)  # every task of the job has the same Hydra job directory
         return
-    try:
-        launch(cfg_dict, run_dir, world)
-    except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C: the workers have been stopped
-        name = getattr(getattr(e, "sigval", None), "name", "SIGINT")
-        print(f"interrupted ({name}): every worker stopped; checkpoints complete so far are in {run_dir}",
-              file=sys.stderr)
-        sys.exit(130)
-    except ConfigError as e:  # found while building, in a single in-process worker (e.g. no disk space)
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except WorkerFailed as e:
-        print(f"{e.traceback}\nerror: {e}", file=sys.stderr)
-        sys.exit(1)
+    launch(cfg_dict, run_dir, world)
 
 
 def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
     """strategy=auto: plan the candidates, print them ranked, keep the fastest that fits (parallel.auto)."""
-    import json
-    from pathlib import Path
-
-    from parallel.auto import choose, device_budget, table
-
-    try:
-        if started_by is not None:
-            raise ConfigError(f"strategy='auto': chooses before the workers start, and {started_by} has started "
-                              f"them; run `python launch/train.py strategy=auto nproc={world} ...` (or "
-                              f"launch/plan.py) once and start {started_by} with the strategy it picks")
-        chosen, found = choose(cfg, world, Path(run_dir))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    if started_by is not None:
+        raise ConfigError(f"strategy='auto': chooses before the workers start, and {started_by} has started "
+                          f"them; run `python launch/train.py strategy=auto nproc={world} ...` (or "
+                          f"launch/plan.py) once and start {started_by} with the strategy it picks")
+    chosen, found = choose(cfg, world, Path(run_dir))
     print(table(found, f"budget {device_budget(cfg, world) / 1e6:.2f} MB per rank"))
     picked = next(c for c in found if c.dropped is None)
     print(f"auto: running {picked.name} ({' '.join(picked.overrides)})")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     Path(run_dir, "auto.json").write_text(json.dumps(
         {"chosen": picked.overrides, "candidates": [vars(c) for c in found]}, indent=2))
-    return OmegaConf.to_container(OmegaConf.structured(chosen), resolve=True)
+    return to_dict(chosen)
 
 
 def _run() -> None:
@@ -105,9 +76,4 @@ def _run() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        _run()
-    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: one line, from one
-        if os.environ.get("RANK", "0") == "0":
-            print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    reported(_run)()  # Ctrl-C outside the task (while Hydra composes): one line, exit 130

@@ -24,7 +24,9 @@ a predicted step time:
                dispatches x O, the time one op of a tiny training step takes
                here beyond its FLOPs; times W / cores when the workers
                outnumber the cores (they share them)
-    bubble     a pipeline's compute x (p - 1) / (v*m) (v stages per rank, m
+    bubble     a pipeline's compute x b / (1 - b), b its schedule's idle share
+               (parallel.strategies.schedules.analytic_bubble): (p - 1) / (v*m)
+               for GPipe, 1F1B and the interleaved ones (v stages per rank, m
                microbatches, p pipeline ranks)
     comm       bytes handed to collectives and sends in the step (an
                all-reduce counted twice; DDP's bucket all-reduce added) / B,
@@ -50,7 +52,11 @@ from pathlib import Path
 
 import torch
 
-from parallel.config import Config, ConfigError, StrategyConfig, parse_bytes, validate
+from parallel.config import Config, ConfigError, StrategyConfig, pipelined
+from parallel.memory.budget import budget_bytes
+from parallel.planner import Flops, plan
+from parallel.strategies.schedules import analytic_bubble
+from parallel.validate import validate
 
 
 @dataclass
@@ -116,7 +122,7 @@ def _apply(cfg: Config, overrides: list[str]) -> Config:
 def device_budget(cfg: Config, world: int) -> int:
     """memory.budget, or the device's memory: a GPU's, or on the CPU this machine's RAM shared by the workers."""
     if cfg.memory.budget is not None:
-        return parse_bytes(cfg.memory.budget)
+        return budget_bytes(cfg.memory)
     if cfg.trainer.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
@@ -160,8 +166,6 @@ def loopback_bandwidth(nbytes: int = 32 << 20) -> float:
 def op_overhead(steps: int = 200) -> float:
     """Seconds per operator of a tiny training step (forward, backward, gradient reset) in this process:
     what an op costs beyond its FLOPs (dispatch, autograd bookkeeping)."""
-    from parallel.planner import _Flops
-
     layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
 
     def step():
@@ -169,7 +173,7 @@ def op_overhead(steps: int = 200) -> float:
         layer.zero_grad(set_to_none=True)
 
     step()
-    with _Flops() as counted:
+    with Flops() as counted:
         step()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -199,8 +203,6 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
     Raises:
         ConfigError: when no candidate fits the budget (naming the smallest peak).
     """
-    from parallel.planner import plan
-
     budget = device_budget(cfg, world)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     share = max(1.0, world * torch.get_num_threads() / cores)
@@ -234,9 +236,9 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
             worst = max(plans, key=lambda p: p.flops / rate + p.ops * per_op)
             compute = (worst.flops / rate + worst.ops * per_op) * share
             bubble = 0.0
-            if s.name == "pipeline" or (s.name == "hybrid" and (s.pp or 1) > 1):
-                v, m, pp = s.stages_per_rank or 1, s.microbatches or 1, s.pp or 1
-                bubble = compute * (pp - 1) / (v * m)
+            if pipelined(s):  # the idle share b of the step: idle time = compute x b / (1 - b)
+                idle = analytic_bubble(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
+                bubble = compute * idle / (1 - idle)
             comm = max(p.comm_bytes for p in plans) / bandwidth
             transfers = max(p.io_bytes for p in plans) / disk if disk and s.name == "offload" else 0.0
             cand.times = {"compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,

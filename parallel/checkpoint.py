@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
-from parallel.config import Config, ConfigError, build_meta_model
+from parallel.config import Config, ConfigError, RunError
 from parallel.metrics import log
+from parallel.models.build import build_meta_model
 
 SUFFIX = ".partial"
 META = "trainer.json"
@@ -59,42 +59,11 @@ def checkpoints_of(run_dir: Path) -> Path:
 
 # ---- what is saved --------------------------------------------------------------------------------------------
 
-def _adamw_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
-    """AdamW's state of `p`, made now (zeros) when the first step has not made it yet, as AdamW makes it
-    (not fused, not capturable): a load fills it in place, and AdamW then takes it as its own."""
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
-
-
 def training_state(run) -> tuple[dict, list[tuple[dict, dict]]]:
-    """This rank's tensors under their unpartitioned names (Note [checkpoint layout]).
-
-    Returns (state dict for DCP, copies): the tensors are the live ones, so a
-    load fills the model and the optimizer in place. `copies` pairs a second
-    copy of a tied weight's optimizer state on this rank (two pipeline stages of
-    one rank) with the first, to be made equal after a load.
-    """
-    engine = run.engine
-    if hasattr(engine, "checkpoint_state"):  # an engine that keeps its tensors itself (offload)
-        model, optim = engine.checkpoint_state()
-        return {"model": model, "optim": optim}, []
-    optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeroRedundancyOptimizer: this rank's share
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    model, optim, copies = {}, {}, []
-    for module in engine.state_modules():
-        model.update(module.state_dict())
-        for fqn, p in module.named_parameters():
-            if id(p) not in owned:
-                continue
-            state, name = _adamw_state(optimizer, p), run.plan[fqn][2]
-            if name in optim:
-                copies.append((state, optim[name]))
-            else:
-                optim[name] = state
+    """This rank's tensors under their unpartitioned names (Note [checkpoint layout]), as the engine gives
+    them (Note [engine contract]). Returns (state dict for DCP, copies of tied weights' state to make equal
+    after a load)."""
+    model, optim, copies = run.engine.checkpoint_state(run.optimizer, run.canonical())
     return {"model": model, "optim": optim}, copies
 
 
@@ -318,7 +287,7 @@ def resume_target(cfg: Config, run_dir: Path) -> Path | None:
         box[0] = None if path is None else str(path)
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        raise ConfigError(box[1])
+        raise RunError(box[1])
     if restart:
         log.info("restart %d of the workers (torchrun --max-restarts)", restart)
     return None if box[0] is None else Path(box[0])
@@ -333,14 +302,13 @@ def load(run, path: Path) -> int:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # DCP raises one CheckpointException holding every rank's error
         first = str(e).strip().splitlines()
-        raise ConfigError(f"trainer.resume: cannot load {path}: {type(e).__name__}: "
+        raise RunError(f"trainer.resume: cannot load {path}: {type(e).__name__}: "
                           f"{first[-1] if first else ''}") from None
     with torch.no_grad():
         for dst, src in copies:
             for key, value in src.items():
                 dst[key].copy_(value)
-    if hasattr(run.engine, "load_checkpoint_state"):
-        run.engine.load_checkpoint_state(state["model"], state["optim"])
+    run.engine.load_checkpoint_state(state["model"], state["optim"])
     run.scheduler.load_state_dict(meta["scheduler"])
     for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
         group["lr"] = lr

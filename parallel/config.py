@@ -1,21 +1,21 @@
-"""Typed configuration: the schemas behind conf/ and every cross-field rule.
+"""Typed configuration: the schemas behind conf/, the errors, and each group's own simple checks.
 
 Each config group (strategy, model, data, optim, trainer, memory) has a dataclass
 here, stored in Hydra's ConfigStore as the base of the root config, so a wrong
-type or an unknown key fails while Hydra composes. Rules that relate several
-fields live in :func:`validate`, which runs once, before any worker starts, and
-raises :class:`ConfigError` naming the key, the value, the rule and the options.
+type or an unknown key fails while Hydra composes. This module is the bottom
+layer: it imports nothing of the project. A group's checks of its own values sit
+beside its schema (`check_trainer`, ...); rules that need the model, the data or
+a strategy sit beside that code, and `parallel.validate` calls them all once,
+before any worker starts. Every rule raises :class:`ConfigError` naming the key,
+the value, the rule and the options.
 """
 from __future__ import annotations
 
-import importlib
-import inspect
-import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 TASKS = ("regression", "classification", "lm")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -26,7 +26,12 @@ ZERO_LEVELS = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
-    """A user error in the configuration: reported without a traceback."""
+    """A user error in the configuration: reported in one line, exit status 2, no traceback."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on for a reason outside the configuration (a checkpoint that cannot be read, a
+    disk that filled): reported in one line, exit status 1."""
 
 
 def fail(key: str, value: Any, rule: str, options: Any = None) -> None:
@@ -181,6 +186,17 @@ def _model_outputs(task: str, targets: int, classes: int, vocab_size: int) -> in
     return {"regression": targets, "classification": classes, "lm": vocab_size}.get(task, targets)
 
 
+def from_dict(d: dict) -> Config:
+    """A resolved config handed over as a plain dict (to a worker process) back as dataclasses; nothing is
+    read or derived again."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), d))  # type: ignore[return-value]
+
+
+def to_dict(cfg: Config) -> dict:
+    """`cfg` as a plain dict that crosses process boundaries (and back with `from_dict`)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
 def register_configs() -> None:
     """Store the root schema so conf/config.yaml can extend it."""
     if not OmegaConf.has_resolver("parallel_outputs"):
@@ -194,95 +210,26 @@ def register_configs() -> None:
 register_configs()
 
 
-# ---------------------------------------------------------------------------
-# Cross-field validation: one place, before any worker starts.
-# ---------------------------------------------------------------------------
-
-def to_config(cfg: DictConfig | dict) -> Config:
-    """Turn a composed DictConfig (or its plain-dict form) into typed dataclasses.
-
-    With data=shards the task and sizes come from the dataset's manifest, set
-    before interpolations resolve (a model's `${data.features}` reads them).
-    """
-    if isinstance(cfg, dict):
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    if cfg.data.name == "shards":
-        _read_shard_hints(cfg)
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
-
-
-def _read_shard_hints(cfg: DictConfig) -> None:
-    from parallel.data.shards import Manifest
-
-    if not cfg.data.path:
-        fail("data.path", cfg.data.path, "data=shards needs the dataset directory", "a directory written by "
-             "launch/make_shards.py")
-    m = Manifest.load(cfg.data.path)
-    m.field("features"), m.field("targets")
-    hints = m.record.get("hints") or {}
-    if not hints:
-        fail("data.path", cfg.data.path, "the manifest names no task for its features and targets")
-    for key, value in hints.items():
-        cfg.data[key] = value
-
-
-def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
+def positive(key: str, value: Any, allow_zero: bool = False) -> None:
+    """Fail unless `value` is an integer >= 1 (>= 0 with allow_zero)."""
     low = 0 if allow_zero else 1
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         fail(key, value, f"must be an integer >= {low}")
 
 
-def resolve(cfg: Config, world_size: int) -> Config:
-    """Fill the values left to be derived (degrees, stages per rank, microbatches), in place.
+def cuda_run(device: str) -> bool:
+    """Whether `trainer.device` puts the run on CUDA."""
+    import torch  # torch is heavy; the schemas alone do not need it
 
-    Cheap and deterministic: the launcher and every worker call it and agree.
-    """
-    from parallel.dims import ParallelDims
-    from parallel.strategies import schedules
-
-    s = cfg.strategy
-    dims = ParallelDims.from_config(s, world_size)
-    s.dp, s.pp, s.tp = dims.dp, dims.pp, dims.tp
-    if pipelined(s):
-        name = schedules.canonical(s.schedule)
-        if name is None:
-            fail("strategy.schedule", s.schedule, "unknown schedule (case-insensitive)", list(schedules.SCHEDULES))
-        s.schedule = name
-        if s.stages_per_rank is None:
-            s.stages_per_rank = schedules.default_stages_per_rank(name)
-        _positive("strategy.stages_per_rank", s.stages_per_rank)  # before microbatches are derived from it
-        if s.microbatches is None:
-            s.microbatches = 2 * s.pp * s.stages_per_rank
-    return cfg
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def pipelined(s: StrategyConfig) -> bool:
-    """Whether the model is split into pipeline stages (after `resolve`)."""
-    return s.name == "pipeline" or (s.name == "hybrid" and s.pp is not None and s.pp > 1)
-
-
-def tensor_parallel(s: StrategyConfig) -> bool:
-    """Whether layers are split over tensor-parallel ranks (after `resolve`)."""
-    return s.name == "model" or (s.name == "hybrid" and s.tp is not None and s.tp > 1)
-
-
-def validate(cfg: Config, world_size: int) -> None:
-    """Check every rule that spans fields; raise ConfigError on the first broken one.
-
-    Also fills derived values (see `resolve`).
-
-    Args:
-        cfg: the typed configuration.
-        world_size: the number of workers the run will have.
-    """
-    from parallel.strategies import STRATEGIES
-
-    t = cfg.trainer
+def check_trainer(t: TrainerConfig) -> None:
     for key in ("steps", "batch_size", "grad_accum", "log_every"):
-        _positive(f"trainer.{key}", getattr(t, key))
-    _positive("trainer.seed", t.seed, allow_zero=True)
-    _positive("trainer.checkpoint_every", t.checkpoint_every, allow_zero=True)
-    _positive("trainer.keep_checkpoints", t.keep_checkpoints)
+        positive(f"trainer.{key}", getattr(t, key))
+    positive("trainer.seed", t.seed, allow_zero=True)
+    positive("trainer.checkpoint_every", t.checkpoint_every, allow_zero=True)
+    positive("trainer.keep_checkpoints", t.keep_checkpoints)
     if t.clip_grad_norm < 0:
         fail("trainer.clip_grad_norm", t.clip_grad_norm, "must be >= 0 (0 disables clipping)")
     if t.timeout_s <= 0:
@@ -291,156 +238,12 @@ def validate(cfg: Config, world_size: int) -> None:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:
         fail("trainer.precision", t.precision, "unknown precision", list(PRECISIONS))
-    if t.precision == "bf16" and not _cuda_run(t.device):
+    if t.precision == "bf16" and not cuda_run(t.device):
         fail("trainer.precision", t.precision, "bf16 autocast is for CUDA runs; the CPU trains in fp32",
              ["auto", "fp32"])
-    if cfg.nproc is not None:
-        _positive("nproc", cfg.nproc)
-    _validate_optim(cfg.optim)
-    _validate_data(cfg.data)
-    _validate_memory(cfg.memory)
-
-    s = cfg.strategy
-    if s.name == "auto":  # each candidate is validated as it is tried (parallel.auto)
-        validate_model(cfg.model)
-        return
-    if s.name not in STRATEGIES:
-        fail("strategy.name", s.name, "unknown strategy", sorted([*STRATEGIES, "auto"]))
-    if s.zero not in ZERO_LEVELS:
-        fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
-    if s.name == "offload":
-        _validate_offload(cfg, world_size)
-    elif s.activations not in ("device", "checkpoint"):
-        fail("strategy.activations", s.activations, f"strategy={s.name} keeps activations on the device or "
-             "recomputes them per block; the tiers below the device are strategy=offload's",
-             ["device", "checkpoint"])
-    if s.name == "single" and world_size != 1:
-        fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
-             "strategy=data or strategy=pipeline for several processes")
-    if s.name not in ("data", "hybrid") and s.zero != 0:
-        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data or strategy=hybrid")
-    if s.balance not in BALANCES:
-        fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
-    # Tensor-parallel keys are checked by strategy name first (a plain strategy
-    # may reject a degree while resolving), then by the resolved hybrid's tp.
-    _check_tensor_keys(s, s.name in ("model", "hybrid"))
-    resolve(cfg, world_size)
-    _check_tensor_keys(s, tensor_parallel(s))
-    per_rank = t.batch_size // s.dp
-    if t.batch_size % s.dp:
-        fail("trainer.batch_size", t.batch_size,
-             f"the global batch must divide by the data-parallel degree {s.dp}",
-             f"a multiple of {s.dp}")
-    if per_rank % t.grad_accum:
-        fail("trainer.grad_accum", t.grad_accum,
-             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
-             [d for d in range(1, per_rank + 1) if per_rank % d == 0])
-    if pipelined(s):
-        _validate_pipeline(cfg, per_rank)
-    validate_model(cfg.model)
-    if s.name == "offload" and s.path is not None:
-        _check_offload_disk(cfg)
-    if t.resume is not None:
-        from parallel.checkpoint import check_resume
-
-        check_resume(cfg)
-    if tensor_parallel(s):
-        from parallel.strategies.tensor import example_input, resolve_plan
-
-        resolve_plan(build_meta_model(cfg.model), cfg, example_input(cfg))
-    if pipelined(s):
-        from parallel.strategies.pipeline import plan_split
-
-        plan_split(build_meta_model(cfg.model), cfg, s.dp, measure=False)  # traces; names bad split points
-    if cfg.data.name == "shards" or not cfg.model._target_:
-        # A user's model may do what meta tensors cannot (read a value): only the shards' own shapes ask it to.
-        _check_model_takes_data(cfg)
 
 
-def _validate_offload(cfg: Config, world_size: int) -> None:
-    import torch
-
-    from parallel.offload.tiers import TIERS, effective
-
-    s = cfg.strategy
-    if world_size != 1:
-        fail("strategy", "offload", f"streams one device's model from the tiers below it and runs on one process, "
-             f"but the world size is {world_size}",
-             "strategy=data strategy.zero=3 to shard weights and optimizer state over processes, "
-             "or strategy=pipeline to split the model by layers")
-    for kind in ("params", "optimizer"):
-        if getattr(s, kind) not in TIERS:
-            fail(f"strategy.{kind}", getattr(s, kind), "unknown tier", list(TIERS))
-    if s.activations not in TIERS + ("checkpoint",):
-        fail("strategy.activations", s.activations, "unknown tier", list(TIERS) + ["checkpoint"])
-    if isinstance(s.prefetch, bool) or not isinstance(s.prefetch, int) or s.prefetch < 0:
-        fail("strategy.prefetch", s.prefetch, "must be an integer >= 0 (blocks read ahead)")
-    if cfg.trainer.grad_accum != 1:
-        fail("trainer.grad_accum", cfg.trainer.grad_accum, "must be 1 under strategy=offload: each block's "
-             "gradients leave the device as soon as they are complete",
-             "a smaller trainer.batch_size, or strategy.activations=disk or checkpoint to fit a larger one")
-    cuda = _cuda_run(cfg.trainer.device)
-    device = torch.device("cuda" if cuda else "cpu")
-    for kind in ("params", "optimizer"):
-        if cuda and effective(getattr(s, kind), device) == "disk":
-            fail(f"strategy.{kind}", "disk", "the disk tier sits below the CPU; under a GPU the tier below is "
-                 "pinned CPU memory", ["cpu", "auto", "device"])
-
-
-def _check_offload_disk(cfg: Config) -> None:
-    """The disk tier's directory is writable and has room for the weights, gradients and AdamW state.
-
-    (Checked again, for the run directory, when the engine is built.)"""
-    import torch
-
-    from parallel.offload.tiers import check_disk, effective
-
-    s = cfg.strategy
-    device = torch.device("cuda" if _cuda_run(cfg.trainer.device) else "cpu")
-    weights = sum(p.numel() * p.element_size() for p in build_meta_model(cfg.model).parameters())
-    needed = (weights if effective(s.params, device) == "disk" else 0) + \
-        (3 * weights if effective(s.optimizer, device) == "disk" else 0)
-    why = check_disk(s.path, max(needed, 1))
-    if why:
-        fail("strategy.path", s.path, why)
-
-
-def _check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
-    rule = "strategy=model, or strategy=hybrid with strategy.tp > 1"
-    if s.tp_plan and not allowed:
-        fail("strategy.tp_plan", list(s.tp_plan), f"a tensor-parallel plan needs {rule}")
-    if s.sequence_parallel and not allowed:
-        fail("strategy.sequence_parallel", True,
-             f"sequence parallelism shards between tensor-parallel layers: it needs {rule}")
-
-
-def _validate_pipeline(cfg: Config, per_rank: int) -> None:
-    from parallel.strategies import schedules
-
-    s, t = cfg.strategy, cfg.trainer
-    _positive("strategy.microbatches", s.microbatches)
-    _positive("strategy.stages_per_rank", s.stages_per_rank)
-    if per_rank % s.microbatches:
-        fail("strategy.microbatches", s.microbatches,
-             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
-             [d for d in range(1, per_rank + 1) if per_rank % d == 0])
-    if t.grad_accum != 1:
-        fail("trainer.grad_accum", t.grad_accum,
-             "must be 1 under strategy=pipeline: microbatches already accumulate gradients",
-             "raise strategy.microbatches instead")
-    why = schedules.check(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
-    if why:
-        fail(f"strategy.schedule={s.schedule} with strategy.stages_per_rank={s.stages_per_rank} and "
-             f"strategy.microbatches", s.microbatches, why)
-
-
-def _cuda_run(device: str) -> bool:
-    import torch
-
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
-def _validate_optim(o: OptimConfig) -> None:
+def check_optim(o: OptimConfig) -> None:
     if o.name != "adamw":
         fail("optim.name", o.name, "unknown optimizer", ["adamw"])
     if not o.lr > 0:
@@ -449,155 +252,18 @@ def _validate_optim(o: OptimConfig) -> None:
         fail("optim.weight_decay", o.weight_decay, "must be >= 0")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)")
-    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     if o.schedule not in LR_SCHEDULES:
         fail("optim.schedule", o.schedule, "unknown schedule", list(LR_SCHEDULES))
     if not 0 <= o.min_lr_ratio <= 1:
         fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
 
 
-def _validate_data(d: DataConfig) -> None:
-    if d.name not in ("synthetic", "shards"):
-        fail("data.name", d.name, "unknown data source", ["synthetic", "shards"])
-    if d.name == "shards":
-        _validate_shards(d)
-    if d.task not in TASKS:
-        fail("data.task", d.task, "unknown task", list(TASKS))
-    for key in ("features", "targets", "classes", "vocab_size", "seq_len"):
-        _positive(f"data.{key}", getattr(d, key))
-    if d.noise < 0:
-        fail("data.noise", d.noise, "must be >= 0")
+def pipelined(s: StrategyConfig) -> bool:
+    """Whether the model is split into pipeline stages (after the degrees are resolved)."""
+    return s.name == "pipeline" or (s.name == "hybrid" and s.pp is not None and s.pp > 1)
 
 
-def _validate_shards(d: DataConfig) -> None:
-    from parallel.data.shards import Manifest, ShardError
-
-    _positive("data.shuffle_buffer", d.shuffle_buffer, allow_zero=True)
-    _positive("data.prefetch", d.prefetch, allow_zero=True)
-    _positive("data.workers", d.workers)
-    if d.verify not in ("size", "checksum"):
-        fail("data.verify", d.verify, "unknown check", ["size", "checksum"])
-    m = Manifest.load(d.path)
-    x = m.field("features")
-    if d.task != "lm" and len(x["shape"]) != 1:
-        fail("data.path", d.path, f"features of shape {tuple(x['shape'])}: the built-in tasks take one "
-             f"vector of features per sample", "shards written with features of shape (F,)")
-    try:
-        m.check_files(checksums=d.verify == "checksum")
-    except ShardError as e:
-        fail("data.path", d.path, str(e))
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """Parse '512MB', '80GB', '1.5GiB' or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _validate_memory(m: MemoryConfig) -> None:
-    if m.budget is not None:
-        try:
-            if parse_bytes(m.budget) <= 0:
-                raise ValueError
-        except ValueError:
-            fail("memory.budget", m.budget, "must be a positive size", "e.g. 512MB, 80GB, 1.5GiB, 1000000")
-    if m.fraction is not None and not 0 < m.fraction <= 1:
-        fail("memory.fraction", m.fraction, "must be in (0, 1]")
-
-
-def resolve_factory(m: ModelConfig):
-    """The callable that builds the model: a built-in, or the user's `_target_`."""
-    from parallel.models import MODELS
-
-    if m._target_:
-        mod_name, _, attr = m._target_.rpartition(".")
-        if not mod_name:
-            fail("model._target_", m._target_, "must be a dotted path 'package.module.callable'")
-        try:
-            factory = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as e:
-            fail("model._target_", m._target_, f"cannot be imported ({type(e).__name__}: {e})")
-        if not callable(factory):
-            fail("model._target_", m._target_, "is not callable")
-        return factory
-    if m.name not in MODELS:
-        fail("model.name", m.name, "unknown model; use a built-in or set model._target_",
-             sorted(MODELS))
-    return MODELS[m.name]
-
-
-def validate_model(m: ModelConfig) -> None:
-    """Check that the factory exists and accepts `model.args`."""
-    import os
-
-    if m.frozen_checkpoint is not None and not os.path.isfile(m.frozen_checkpoint):
-        fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
-    factory = resolve_factory(m)
-    try:
-        sig = inspect.signature(factory)
-    except (TypeError, ValueError):
-        sig = None  # a builtin or C callable: its arguments are checked by calling it
-    if sig is not None:
-        try:
-            sig.bind(**m.args)
-        except TypeError as e:
-            hint = ""
-            if m._target_ and m.name != "custom":
-                hint = f"; model.args holds the built-in '{m.name}' arguments: start from model=custom"
-            fail("model.args", dict(m.args),
-                 f"do not fit {getattr(factory, '__qualname__', factory)}{sig}: {e}{hint}",
-                 list(sig.parameters))
-    build_meta_model(m)
-
-
-def _check_model_takes_data(cfg: Config) -> None:
-    """The model runs on two samples shaped as the data's and gives what its targets need."""
-    import torch
-
-    from parallel.strategies.tensor import example_input
-
-    d = cfg.data
-    key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
-        ("data.task", d.task, f"data.task={d.task}'s")
-    hint = " (model=gpt takes data.task=lm)" if d.name != "shards" and cfg.model.name == "gpt" else ""
-    shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
-    (x,) = example_input(cfg)
-    try:
-        with torch.no_grad():
-            out = build_meta_model(cfg.model)(x)
-    except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
-        fail(key, value, f"the model does not take {what} samples ({x.dtype} features of shape "
-             f"{tuple(x.shape[1:])}){hint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    if tuple(out.shape) != shape[d.task]:
-        fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {what} "
-             f"{d.task} targets need {shape[d.task]}")
-
-
-def build_meta_model(m: ModelConfig):
-    """Build the model on the meta device (no memory) and check it is an nn.Module."""
-    import torch
-    from torch import nn
-
-    factory = resolve_factory(m)
-    try:
-        with torch.device("meta"):
-            model = factory(**m.args)
-    except (TypeError, ValueError) as e:
-        key = "model._target_" if m._target_ else f"model={m.name}"
-        fail(key, dict(m.args), f"building the model failed: {type(e).__name__}: {e}")
-    if not isinstance(model, nn.Module):
-        key = "model._target_" if m._target_ else "model.name"
-        fail(key, m._target_ or m.name, f"must return an nn.Module, returned {type(model).__name__}")
-    from parallel.init import check_initializable
-
-    try:
-        check_initializable(model)
-    except ValueError as e:
-        fail("model", m._target_ or m.name, str(e))
-    return model
+def tensor_parallel(s: StrategyConfig) -> bool:
+    """Whether layers are split over tensor-parallel ranks (after the degrees are resolved)."""
+    return s.name == "model" or (s.name == "hybrid" and s.tp is not None and s.tp > 1)

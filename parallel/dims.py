@@ -54,6 +54,11 @@ class ParallelDims:
                 f"{world_size} (leave degrees unset to derive them)")
         return cls(dp=degrees["dp"], pp=degrees["pp"], tp=degrees["tp"], world_size=world_size)
 
+    @classmethod
+    def of(cls, s: StrategyConfig, world_size: int) -> "ParallelDims":
+        """The degrees of a resolved config (parallel.validate.resolve filled them in)."""
+        return cls(dp=s.dp, pp=s.pp, tp=s.tp, world_size=world_size)
+
     @property
     def names(self) -> tuple[str, ...]:
         return ("dp", "pp", "tp")

@@ -1,9 +1,25 @@
-"""How a strategy runs one step: forward/backward over the global batch, the grad norm, its metrics.
+"""The engine contract: how the training loop runs one step of any strategy.
 
-Every strategy returns an engine; the training loop only talks to this interface
-(`model`, `forward_backward`, `clip`, `metrics`, `loss_group`, `holds_loss`,
-`state_modules` or `checkpoint_state` for checkpoints), so
-strategy-specific work stays out of the loop.
+# Note [engine contract]
+Every strategy returns an `Engine`; the trainer, the checkpoints, the memory
+watch and the planner talk to this interface only, so strategy-specific work
+stays in the strategy:
+
+    model                what the optimizer and the memory watch see (this rank's pieces)
+    holds_loss           this rank computes the loss (a pipeline's last stage; every rank otherwise)
+    loss_group           the ranks that each hold a slice of the batch; the logged loss is their mean
+    forward_backward     the whole step's forward and backward over this rank's batch; returns its mean loss
+    clip                 the global gradient norm (over every shard and stage), clipped when max_norm > 0
+    metrics              the engine's own figures for a logged step (collective: every rank calls it)
+    make_optimizer       an engine that steps its own weights returns its optimizer (offload); None otherwise
+    wants_next_input     look_ahead(x) is handed the next step's input while this step trains
+    kept_tensors         what it keeps between steps besides weights, gradients and optimizer state
+                         (receive buffers, a buffer pool), counted by the memory watch
+    optimizer_tensors    of those, the ones the planner counts as optimizer memory (offload's own state)
+    state_modules        the modules whose state dicts hold this rank's tensors under the unpartitioned names
+    checkpoint_state     (model, optimizer state, copies) for a checkpoint; load_checkpoint_state after a load
+    full_state_dict      the unpartitioned weights, gathered on rank 0
+    close                release threads, files and buffers (also when the run fails)
 """
 from __future__ import annotations
 
@@ -13,7 +29,7 @@ import torch
 from torch import nn
 
 from parallel.config import Config
-from parallel.optim import clip_grad_norm
+from parallel.optim import adamw_state, clip_grad_norm
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -23,28 +39,99 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
 
 
-class LocalEngine:
-    """The whole model on every rank (single, data): forward and backward with gradient accumulation.
+class Engine:
+    """The base of every engine (Note [engine contract]); subclasses implement forward_backward and clip."""
+
+    model: nn.Module
+    holds_loss: bool = True
+    loss_group = None
+    wants_next_input: bool = False
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss over its slice of the global batch; gradients are left ready for the step."""
+        raise NotImplementedError
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm; gradients are scaled to `max_norm` when it is > 0 and exceeded."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict:
+        return {}
+
+    def make_optimizer(self) -> torch.optim.Optimizer | None:
+        return None
+
+    def look_ahead(self, x_next: torch.Tensor) -> None:
+        """Start on the next step's input (only called when `wants_next_input`)."""
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def state_modules(self) -> list[nn.Module]:
+        return [self.model]
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer, canonical: dict[str, str]):
+        """This rank's tensors under their unpartitioned names (Note [checkpoint layout]).
+
+        Args:
+            optimizer: the run's optimizer (its own parameters' AdamW state is saved).
+            canonical: every parameter name -> the name its state is saved under (tied weights: the first).
+        Returns (model state, optimizer state, copies): live tensors, so a load fills them in
+        place; `copies` pairs a second copy of a tied weight's state on this rank with the first.
+        """
+        optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        model, optim, copies = {}, {}, []
+        for module in self.state_modules():
+            model.update(module.state_dict())
+            for fqn, p in module.named_parameters():
+                if id(p) not in owned:
+                    continue
+                state, name = adamw_state(optimizer, p), canonical[fqn]
+                if name in optim:
+                    copies.append((state, optim[name]))
+                else:
+                    optim[name] = state
+        return model, optim, copies
+
+    def load_checkpoint_state(self, model: dict, optim: dict) -> None:
+        """After a checkpoint was loaded into `checkpoint_state`'s tensors (in place, by default)."""
+
+    def full_state_dict(self) -> dict:
+        """The unpartitioned state dict, gathered on rank 0 (CPU tensors; {} elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def close(self) -> None:
+        pass
+
+
+class LocalEngine(Engine):
+    """The whole model (or its tensor-parallel / sharded pieces) on every rank: single, data, model, hybrid
+    without pipeline. Forward and backward with gradient accumulation.
 
     Args:
         model: the parallelized, materialized model.
         cfg: the run config.
         loss_fn: (output, target) -> mean loss.
         loss_group: the group whose ranks each hold a slice of the batch (data parallel).
+        device: this rank's device.
     """
-
-    holds_loss = True
 
     def __init__(self, model: nn.Module, cfg: Config, loss_fn, loss_group, device: torch.device):
         self.model, self.cfg, self.loss_fn, self.loss_group, self.device = model, cfg, loss_fn, loss_group, device
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """This rank's mean loss over its slice; gradients left in .grad."""
         accum = self.cfg.trainer.grad_accum
         total = torch.zeros((), device=x.device)
         for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
             # Gradients are reduced across data-parallel ranks only on the last micro-step.
-            if hasattr(self.model, "set_requires_gradient_sync"):
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 / replicate modules have it
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with autocast(self.cfg, self.device):
                 loss = self.loss_fn(self.model(xs).float(), ys) / accum
@@ -54,17 +141,3 @@ class LocalEngine:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm)
-
-    def metrics(self) -> dict:
-        return {}
-
-    def state_modules(self) -> list[nn.Module]:
-        """The modules whose state dicts hold this rank's tensors under their unpartitioned names."""
-        return [self.model]
-
-    def full_state_dict(self) -> dict:
-        """The unpartitioned state dict, gathered on rank 0 (CPU tensors; {} elsewhere)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable
+from typing import Callable, Dict, NamedTuple
 
 import torch
 from torch import nn
@@ -72,7 +72,15 @@ def _global_shape(t: torch.Tensor):
     return t.shape  # a DTensor reports its global shape
 
 
-InitPlan = dict  # fqn -> (owning module, local name, canonical fqn)
+class InitEntry(NamedTuple):
+    """How one name of the unpartitioned model is initialized."""
+
+    module: nn.Module  # the module whose rule initializes it
+    local_name: str  # its name in that module
+    canonical: str  # the name its seed comes from (a tied weight's first name)
+
+
+InitPlan = Dict[str, InitEntry]  # every parameter and buffer name of the unpartitioned model -> its entry
 
 
 def init_plan(model: nn.Module) -> InitPlan:
@@ -91,7 +99,7 @@ def init_plan(model: nn.Module) -> InitPlan:
         tensors += list(module.named_buffers(recurse=False, remove_duplicate=False))
         for local_name, tensor in tensors:
             fqn = f"{mod_name}.{local_name}" if mod_name else local_name
-            owner = first.setdefault(id(tensor), (module, local_name, fqn))
+            owner = first.setdefault(id(tensor), InitEntry(module, local_name, fqn))
             plan.setdefault(fqn, owner)
     return plan
 

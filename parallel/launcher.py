@@ -31,9 +31,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from parallel.config import ConfigError, resolve, to_config
-from parallel.dims import ParallelDims, device_for_rank
-from parallel.metrics import console_on, log, setup_logging
+from parallel.config import ConfigError, from_dict
+from parallel.dims import device_for_rank
+from parallel.metrics import log, setup_logging
+from parallel.trainer import run_training
 
 
 def under_torchrun() -> bool:
@@ -62,15 +63,17 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
     """Run `nproc` workers on this machine and wait; a failed worker ends the run.
 
     Args:
-        cfg_dict: the validated config as a plain dict (it crosses process boundaries).
+        cfg_dict: the resolved, validated config as a plain dict (it crosses process boundaries).
         run_dir: the run directory, fixed before the workers start.
         nproc: how many workers.
     Raises:
         WorkerFailed: naming the first failed rank and its error.
+        Interrupted: Ctrl-C or a signal stopped the workers.
     """
     if nproc == 1:
         _work(cfg_dict, run_dir, single_process=True)
         return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -86,11 +89,19 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
     agent_log.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint=worker)(cfg_dict, run_dir)
+    except (KeyboardInterrupt, SignalException) as e:  # the agent has stopped every worker
+        name = getattr(getattr(e, "sigval", None), "name", "SIGINT")
+        raise Interrupted(f"interrupted ({name}): every worker stopped; checkpoints complete so far are in "
+                          f"{run_dir}") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise WorkerFailed(rank, _failure_message(failure), _failure_traceback(failure)) from None
     finally:
         agent_log.setLevel(level)
+
+
+class Interrupted(Exception):
+    """Ctrl-C or a signal stopped the run's workers; the message says where its checkpoints are."""
 
 
 class WorkerFailed(RuntimeError):
@@ -173,7 +184,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
-    cfg = to_config(cfg_dict)
+    """One worker: device, process group, the run directory agreed on, then the trainer's run."""
+    cfg = from_dict(cfg_dict)  # resolved and validated before the workers started
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = device_for_rank(cfg.trainer.device, local_rank)
     if device.type == "cuda":
@@ -188,8 +200,14 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
         dist.init_process_group(backend, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     try:
-        run_dir = _agree_on_run_dir(run_dir, cfg_dict)
-        _train(cfg, Path(run_dir), device)
+        run_dir = Path(_agree_on_run_dir(run_dir, cfg_dict))
+        setup_logging(run_dir, dist.get_rank())
+        log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name,
+                 dist.get_world_size(), device)
+        if cfg.memory.fraction is not None and device.type != "cuda":
+            log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
+        _warn_shared_store()
+        run_training(cfg, run_dir, device)
     finally:
         dist.destroy_process_group()
 
@@ -221,39 +239,13 @@ def _torchrun_run_dir() -> str:
     return run_dir
 
 
-def _train(cfg, run_dir: Path, device: torch.device) -> None:
-    from parallel import checkpoint
-    from parallel.trainer import build_run, save_final, train
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    resolve(cfg, world)
-    setup_logging(run_dir, rank)
-    if cfg.memory.fraction is not None and device.type != "cuda":
-        log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
-    dims = ParallelDims.from_config(cfg.strategy, world)
-    log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name, world, device)
-    if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
+def _warn_shared_store() -> None:
+    if dist.get_rank() == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # Measured here: 2 of 4 restarts failed to connect (gloo), 0 of 8 with the store not shared.
         log.warning("torchrun shares its rendezvous store with the workers, and restarted workers may then read "
                     "their peers' addresses of the attempt before and fail to connect (PyTorch issue 135712): "
                     "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for --max-restarts")
-    cfg.run_dir = str(run_dir)  # strategies may keep files there (offload's disk tier)
-    run = build_run(cfg, dims, device)
-    console_on(run.is_logger)
-    try:
-        path = checkpoint.resume_target(cfg, run_dir)
-        start = 0 if path is None else checkpoint.load(run, path)
-        train(cfg, run, run_dir, start)
-        if cfg.trainer.save_final:
-            save_final(run.engine, run_dir / "final_model.pt")
-    finally:
-        for part in (run.engine, run.data):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()  # offload removes its files, shards stop their readers; also when the run fails
-    if run.is_logger:
-        log.info("done: %s", run_dir)
 
 
 def check_world_size(nproc: int | None, started_by: str | None = None) -> int:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from parallel.memory.tracker import LiveTensorBytes, engine_tensors, state_tensors
+from parallel.memory.tracker import LiveTensorBytes, state_tensors
 
 log = logging.getLogger("parallel")
 
@@ -49,8 +50,6 @@ class _TqdmHandler(logging.Handler):
     """Console lines written through tqdm so they do not break the progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
         tqdm.write(self.format(record), file=sys.stdout)
 
 
@@ -93,7 +92,7 @@ class PeakMemory:
             return
         tracker = LiveTensorBytes(self.device.type)
         tracker.track(state_tensors(engine.model, optimizer))
-        tracker.track(engine_tensors(engine))
+        tracker.track(engine.kept_tensors())
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)
@@ -114,7 +113,7 @@ class Metrics:
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
         if is_logger:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # heavy (tensorboard): only on the logging rank
 
             if start and self.path.exists():
                 kept = [line for line in self.path.read_text().splitlines()

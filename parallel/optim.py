@@ -31,6 +31,17 @@ def build_optimizer(model: nn.Module, cfg: Config, dp_group=None) -> torch.optim
     return torch.optim.AdamW(params, **kwargs)
 
 
+def adamw_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
+    """AdamW's state of `p`, made now (zeros) when the first step has not made it yet, as AdamW makes it
+    (not fused, not capturable): a checkpoint load fills it in place, and AdamW then takes it as its own."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup over optim.warmup_steps, then cosine decay to lr * min_lr_ratio (or constant)."""
     o, steps = cfg.optim, cfg.trainer.steps

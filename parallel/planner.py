@@ -31,14 +31,21 @@ temporaries in forward (the most that was live while it ran, less what was
 still live when it returned), largest first.
 
 Where the fake world differs from the real one, the planner puts back what
-the real one does: pipeline stages get their boundary shapes up front (the
-shapes are exchanged between ranks at a real first step), tensor-parallel
-stages the local ones; a point-to-point send's work keeps its tensor until
-the schedule drops the work (`_HeldSend`); waiting on a functional
-collective returns its output rather than the fake kernel's copy; DDP's
-reducer is replaced by a stand-in and its buckets added. Each rank role is
-planned on its own thread (`_in_own_thread`), so DTensor's per-thread caches
-never hand one role the meshes of another.
+the real one does. Through the run's `Runtime` (Note [runtime]), never by
+patching the project: pipeline stages get their boundary shapes up front
+(the shapes are exchanged between ranks at a real first step),
+tensor-parallel stages the local ones, and every role computes the split
+itself instead of receiving rank 0's; blocks are weighed by FLOPs, not timed;
+DDP's reducer is replaced by a stand-in and its buckets added; offload's
+threads run inline and its tiers move nothing. Three places inside PyTorch
+have no such seam and are patched while planning, in one module that says
+why (parallel.torch_patches): a point-to-point send's work keeps its tensor
+until the schedule drops the work, the schedule's warm-up exchange is
+skipped, and meshes made while building are made outside the fake mode.
+Waiting on a functional collective returns its output rather than the fake
+kernel's copy. Each rank role is planned on its own thread
+(`_in_own_thread`), so DTensor's per-thread caches never hand one role the
+meshes of another.
 
 Not covered: the CUDA caching allocator's rounding and fragmentation (the
 plan counts tensors, as the CPU measurement does); memory a strategy holds
@@ -47,20 +54,33 @@ outside tensors.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 import weakref
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
-from parallel.config import Config, build_meta_model, resolve
+from parallel.config import Config
+from parallel.data import SyntheticData
 from parallel.dims import ParallelDims
-from parallel.memory.tracker import LiveTensorBytes, _local, engine_tensors, plain_tensors, state_tensors
+from parallel.memory.tracker import LiveTensorBytes, state_tensors
+from parallel.models.build import build_meta_model
+from parallel.offload.activations import ActivationStore
+from parallel.offload.engine import OffloadIO
+from parallel.offload.tiers import DiskTier
+from parallel.runtime import Runtime
+from parallel.tensors import local_bytes, plain_tensors
+from parallel.torch_patches import meshes_outside_fake, sends_held_by_their_works, static_pipeline_warmup
+from parallel.trainer import build_run
 
 KINDS = ("params", "grads", "optimizer", "activations", "temp")
 
@@ -92,7 +112,7 @@ class RankPlan:
     peak_module: str | None
     by_module: list[dict] = field(default_factory=list)
     # The work of the step, for strategy=auto's cost model (parallel.auto):
-    flops: int = 0  # forward + backward + optimizer, by torch's per-op formulas (_Flops)
+    flops: int = 0  # forward + backward + optimizer, by torch's per-op formulas (Flops)
     ops: int = 0  # operators dispatched in the step (each costs a fixed overhead besides its FLOPs)
     comm_bytes: int = 0  # handed to collectives and point-to-point sends (an all-reduce counts twice)
     io_bytes: int = 0  # moved to and from offload's tiers
@@ -145,7 +165,7 @@ class _PeakTracker(LiveTensorBytes):
         grads = self._storages(p.grad for p in self.model.parameters() if p.grad is not None)
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
         opt = self._storages(t for s in optimizer.state.values() for t in s.values())
-        opt |= self._storages(getattr(self.engine, "resident_tensors", list)())
+        opt |= self._storages(self.engine.optimizer_tensors())
         kinds = dict.fromkeys(KINDS, 0)
         for key, ref in self._refs.items():
             st = ref()
@@ -181,8 +201,7 @@ class _ModuleWatch:
         self.tracker = tracker
         self.names = {id(m): n or "(root)" for n, m in model.named_modules()}
         self.rows = {id(m): ModuleMemory(self.names[id(m)], type(m).__name__,
-                                         params=sum(_local(p).numel() * p.element_size()
-                                                    for p in m.parameters(recurse=False)))
+                                         params=sum(local_bytes(p) for p in m.parameters(recurse=False)))
                      for m in model.modules()}
         self.by_name = {r.name: r for r in self.rows.values()}
         self.params = tracker._storages(model.parameters())
@@ -190,8 +209,6 @@ class _ModuleWatch:
         self.handles = []
 
     def __enter__(self):
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
         return self
 
@@ -244,12 +261,8 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
 
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False) -> RankPlan:
     """One training step of `rank`, under fake tensors and a fake process group (Note [planner])."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    # The fake backend registers itself on import; it lives in torch's testing package.
+    # The fake backend registers itself on import; it lives in torch's testing package (heavy: only here).
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from parallel.data.synthetic import SyntheticData
-    from parallel.trainer import build_run
 
     device = torch.device("cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
@@ -262,23 +275,23 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them):
         # the plan reads no dataset.
         data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
-        ddp, io = _DDPStandIn(), [0]
-        with FakeTensorMode(allow_non_fake_inputs=True), ddp.patched(), _untimed_pipeline_split(), \
-                _pipeline_without_inference(), _sends_held_by_their_works(), _offload_without_io(io), \
-                _meshes_outside_fake():
-            run = build_run(cfg, dims, device, mesh=mesh, model=model, data=data)
+        ddp, io = _DDPStandIn(), _CountingIO()
+        runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
+                          executor=lambda workers, name: _InlineExecutor(), replicate=ddp.replicate,
+                          check_disk=False, offload_io=io)  # the plan may be for another machine's disk
+        with FakeTensorMode(allow_non_fake_inputs=True), static_pipeline_warmup(), sends_held_by_their_works(), \
+                meshes_outside_fake():
+            run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=data)
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
             # (weights, optimizer state, the engine's buffers), plus what it makes. The first step makes
             # the optimizer state; the second holds it, as every later step does.
-            flops, comm = _Flops(), _CommBytes()
+            flops, comm = Flops(), _CommBytes()
             counted = [_count_step(run, step, flops, comm, by_module) for step in (1, 2)]
             tracker, modules = max(counted, key=lambda tm: tm[0].peak)
             flops_per_step, ops_per_step = flops.total // 2, flops.ops // 2
             comm.bytes //= 2
-            io[0] //= 2
-            close = getattr(run.engine, "close", None)
-            if close is not None:
-                close()
+            moved = io.moved[0] // 2
+            run.engine.close()
     finally:
         dist.destroy_process_group()
     k = tracker.kinds
@@ -289,10 +302,10 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                     activations=k["activations"], temp=k["temp"], total=tracker.peak + buckets,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
                     flops=flops_per_step, ops=ops_per_step,
-                    comm_bytes=comm.bytes + 2 * buckets if dims.dp > 1 else comm.bytes, io_bytes=io[0])
+                    comm_bytes=comm.bytes + 2 * buckets if dims.dp > 1 else comm.bytes, io_bytes=moved)
 
 
-class _Flops(TorchDispatchMode):
+class Flops(TorchDispatchMode):
     """FLOPs of the ops run while active, by torch's own per-op formulas (torch.utils.flop_counter), and
     how many ops ran. FlopCounterMode itself also attributes FLOPs to modules through autograd hooks on their outputs,
     and those hooks keep tensors alive in checkpointed blocks: they would change the memory being
@@ -303,8 +316,6 @@ class _Flops(TorchDispatchMode):
         self.total = self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.ops += 1
@@ -330,101 +341,6 @@ class _CommBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def _pipeline_without_inference():
-    """Pipeline stages built with their shapes given (no first-step inference, which exchanges values
-    between ranks) and without the schedule's warm-up vote between neighbours (it reads a received value):
-    every stage is told its shapes are static."""
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    import parallel.strategies.pipeline as pipeline
-
-    def warmup(self, stages, has_backward, p2p_done):
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    token = pipeline.STATIC_SHAPES.set(True)
-    saved = schedules._PipelineSchedule._warmup_p2p, pipeline.dist.broadcast_object_list
-    schedules._PipelineSchedule._warmup_p2p = warmup
-    # Rank 0's split is broadcast to the others; a fake broadcast delivers nothing, and every planned
-    # rank computes the same split from FLOPs anyway.
-    pipeline.dist.broadcast_object_list = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        schedules._PipelineSchedule._warmup_p2p, pipeline.dist.broadcast_object_list = saved
-        pipeline.STATIC_SHAPES.reset(token)
-
-
-class _HeldSend:
-    """A send's work that keeps the sent tensors alive for as long as the schedule keeps the work, as a
-    real process group's work does (the fake one's holds nothing, so sent activations and gradients
-    would be freed at once: an interleaved schedule keeps its sends until the end of the step)."""
-
-    def __init__(self, work, tensors: list[torch.Tensor]):
-        self.work, self.tensors = work, tensors
-
-    def wait(self, *args, **kwargs):
-        return self.work.wait(*args, **kwargs)
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-@contextlib.contextmanager
-def _sends_held_by_their_works():
-    """See _HeldSend: the schedules' point-to-point batches return works that hold their sent tensors."""
-    from torch.distributed.pipelining import schedules
-
-    batch = schedules._batch_p2p
-
-    def held(p2p_ops, desc=None):
-        sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
-        return [_HeldSend(w, sent) for w in batch(p2p_ops, desc)]
-
-    schedules._batch_p2p = held
-    try:
-        yield
-    finally:
-        schedules._batch_p2p = batch
-
-
-@contextlib.contextmanager
-def _meshes_outside_fake():
-    """Device meshes made while building (FSDP over tensor-parallel parameters joins two) compute their
-    coordinates with tensor ops on real values: run their construction outside the fake mode."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
-    init = DeviceMesh.__init__
-
-    def real_init(self, *args, **kwargs):
-        with unset_fake_temporarily():
-            init(self, *args, **kwargs)
-
-    DeviceMesh.__init__ = real_init
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = init
-
-
-@contextlib.contextmanager
-def _untimed_pipeline_split():
-    """The pipeline balancer times blocks on real copies; under fake tensors there is nothing to time,
-    so it weighs them by FLOPs (as it does for blocks too large to copy). A run balanced by time may cut
-    elsewhere: strategy.split_points (or balance=params) makes the two agree."""
-    import parallel.strategies.partition as partition
-
-    saved = partition.measure
-    partition.measure = lambda model, names, inputs, **kwargs: saved(model, names, inputs, measure_limit_bytes=-1)
-    try:
-        yield
-    finally:
-        partition.measure = saved
-
-
 class _InlineExecutor:
     """Runs what the offload engine hands its threads at once, on the calling thread: fake tensors
     cannot be used by two threads at a time. Outside the trackers, as on a thread of its own, where the
@@ -434,10 +350,6 @@ class _InlineExecutor:
         pass
 
     def submit(self, fn, *args, **kwargs):
-        from concurrent.futures import Future
-
-        from torch.utils._python_dispatch import _disable_current_modes
-
         future = Future()
         try:
             with _disable_current_modes():
@@ -450,67 +362,57 @@ class _InlineExecutor:
         pass
 
 
-@contextlib.contextmanager
-def _offload_without_io(moved: list[int]):
+class _CountingIO(OffloadIO):
     """strategy=offload with its transfers left out: fake tensors have no bytes to write or read. What
     stays on the device (its buffer pool, what the step allocates) is what the plan counts; an activation
-    read back is a new tensor of its shape, as the real read allocates one."""
-    import parallel.offload.activations as activations
-    import parallel.offload.engine as engine
-    import parallel.offload.tiers as tiers
+    read back is a new tensor of its shape, as the real read allocates one. Bytes that would move are
+    counted (for strategy=auto's cost model)."""
 
-    def count(t: torch.Tensor) -> None:
-        moved[0] += t.numel() * t.element_size()
+    def __init__(self):
+        moved = self.moved = [0]
 
-    def read_back(store, h):
-        h.tensor, h.pending = torch.empty(h.shape, dtype=h.dtype, device=store.device), None
-        count(h.tensor)
+        def count(t: torch.Tensor) -> None:
+            moved[0] += t.numel() * t.element_size()
 
-    patches = [(engine, "ThreadPoolExecutor", _InlineExecutor),
-               (tiers.DiskTier, "write", lambda self, key, src: count(src)),
-               (tiers.DiskTier, "read", lambda self, key, dst: count(dst)),
-               (activations.ActivationStore, "_write", lambda self, h, src: count(src)),
-               (activations.ActivationStore, "_start_read", read_back),
-               (engine, "check_disk", lambda path, nbytes: None)]  # the plan may be for another machine
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
+        class Disk(DiskTier):
+            def write(self, key, src):
+                count(src)
+
+            def read(self, key, dst):
+                count(dst)
+
+        class Activations(ActivationStore):
+            def _write(self, h, src):
+                count(src)
+
+            def _start_read(self, h):
+                h.tensor, h.pending = torch.empty(h.shape, dtype=h.dtype, device=self.device), None
+                count(h.tensor)
+
+        self.disk_tier, self.activation_store = Disk, Activations
 
 
 class _DDPStandIn:
     """DDP cannot run on fake tensors (its C++ reducer checks and hooks read tensor data), so while
-    planning `replicate` leaves the model as it is and the plan adds what DDP itself holds: its gradient
+    planning its `replicate` (the runtime's) leaves the model as it is and the plan adds what DDP itself holds: its gradient
     buckets, one flat copy of the trainable parameters' gradients, alive for the whole run."""
 
     def __init__(self):
         self.models: list[nn.Module] = []
 
-    @contextlib.contextmanager
-    def patched(self):
-        import parallel.strategies.data as data
-
-        saved = data.replicate
-        data.replicate = lambda model, **kwargs: self.models.append(model) or model
-        try:
-            yield self
-        finally:
-            data.replicate = saved
+    def replicate(self, model: nn.Module, **kwargs) -> nn.Module:
+        self.models.append(model)
+        return model
 
     def bucket_bytes(self) -> int:
-        return sum(_local(p).numel() * p.element_size() for m in self.models for p in m.parameters()
-                   if p.requires_grad)
+        return sum(local_bytes(p) for m in self.models for p in m.parameters() if p.requires_grad)
 
 
 def _count_step(run, step: int, flops, comm, by_module: bool):
     """One training step under a fresh tracker (and the module watch with `by_module`): (tracker, watch)."""
     tracker = _PeakTracker(run.device.type, run.engine.model, run.optimizer, run.engine)
     tracker.track(state_tensors(run.engine.model, run.optimizer))
-    tracker.track(engine_tensors(run.engine))
+    tracker.track(run.engine.kept_tensors())
     modules = _ModuleWatch(run.engine.model, tracker) if by_module else None
 
     def pack(t):
@@ -566,14 +468,11 @@ def _in_own_thread(fn, *args, **kwargs):
 
 
 def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan]:
-    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size`."""
-    resolve(cfg, world_size)
-    dims = ParallelDims.from_config(cfg.strategy, world_size)
+    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it)."""
+    dims = ParallelDims.of(cfg.strategy, world_size)
     out = []
     with contextlib.ExitStack() as stack:
         if cfg.run_dir is None:  # offload makes its (here empty) directory there
-            import tempfile
-
             cfg.run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
         for i, (rank, same) in enumerate(roles(dims)):
             p = _in_own_thread(plan_rank, cfg, dims, rank, by_module=by_module and i == 0)

@@ -1,4 +1,9 @@
-"""The training loop: build the parallel model, then step, log and repeat."""
+"""One owner of a run: build it, resume it, train it, save it, close it.
+
+`run_training` is what a worker does once its process group and run directory
+exist (parallel.launcher); `build_run` is also what the planner runs on fake
+tensors (parallel.planner), so both build exactly the same thing.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -10,16 +15,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from parallel.config import Config, build_meta_model
-from parallel.data import build_data
+from parallel import checkpoint
+from parallel.config import Config
+from parallel.data import DataSource, build_data
 from parallel.dims import ParallelDims
-from parallel.init import init_plan
-from parallel.metrics import Metrics, PeakMemory, gather_ints, log, process_peak_rss
+from parallel.engine import Engine
+from parallel.init import InitPlan, init_plan
+from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss
+from parallel.models.build import build_meta_model
 from parallel.optim import all_mean, build_optimizer, build_scheduler
+from parallel.runtime import Runtime
 from parallel.strategies import parallelize
+from parallel.tensors import local_bytes
 
 
 @dataclass
@@ -27,36 +36,82 @@ class Run:
     """Everything the loop needs, built once per worker."""
 
     cfg: Config
-    engine: object  # parallel.engine.LocalEngine or a strategy's own engine
+    engine: Engine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    data: object  # parallel.data: SyntheticData or ShardData
+    data: DataSource
     device: torch.device
     is_logger: bool
-    plan: dict  # parallel.init.InitPlan of the unpartitioned model: names -> canonical names of tied weights
+    plan: InitPlan  # of the unpartitioned model: names -> initialization and canonical names of tied weights
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
 
+    def canonical(self) -> dict[str, str]:
+        """Every parameter name -> the name its optimizer state is saved under (a tied weight's first)."""
+        return {name: entry.canonical for name, entry in self.plan.items()}
 
-def build_run(cfg: Config, dims: ParallelDims, device: torch.device, mesh=None, model=None, data=None) -> Run:
-    """Build the model on the meta device, hand it to the strategy, and add the rest.
+    def close(self) -> None:
+        """Release the engine's threads and files and the data's readers (also when the run failed)."""
+        self.engine.close()
+        self.data.close()
+
+
+def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, model=None,
+              data: DataSource | None = None) -> Run:
+    """Build the model on the meta device, hand it to the strategy, and add the optimizer, schedule and data.
 
     `mesh`, `model` (on meta) and `data` may come ready-made (the planner makes
     them outside its fake-tensor mode).
     """
-    mesh = dims.build_mesh(device.type) if mesh is None else mesh
+    mesh = dims.build_mesh(runtime.device.type) if mesh is None else mesh
     model = build_meta_model(cfg.model) if model is None else model
     plan = init_plan(model)  # names -> initialization, taken before any partitioning
-    engine = parallelize(model, mesh, cfg, device, plan)
-    if hasattr(engine, "make_optimizer"):  # an engine that runs the step itself (offload)
-        optimizer = engine.make_optimizer()
-    else:
-        optimizer = build_optimizer(engine.model, cfg, mesh["dp"].get_group())
+    engine = parallelize(model, mesh, cfg, runtime, plan)
+    optimizer = engine.make_optimizer() or build_optimizer(engine.model, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
     if data is None:
         data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
     # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
-    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, device, is_logger, plan)
+    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan)
+
+
+def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
+    """Build this worker's part of the run, resume it when asked, train, save the final weights, close.
+
+    Args:
+        cfg: the resolved, validated config (parallel.validate).
+        run_dir: the run directory, the same on every rank.
+        device: this worker's device.
+    """
+    world = dist.get_world_size()
+    dims = ParallelDims.of(cfg.strategy, world)
+    cfg.run_dir = str(run_dir)  # strategies may keep files there (offload's disk tier)
+    run = build_run(cfg, dims, Runtime(device=device))
+    console_on(run.is_logger)
+    try:
+        path = checkpoint.resume_target(cfg, run_dir)
+        start = 0 if path is None else checkpoint.load(run, path)
+        train(cfg, run, run_dir, start)
+        if cfg.trainer.save_final:
+            save_final(run.engine, run_dir / "final_model.pt")
+    finally:
+        run.close()  # offload removes its files, shards stop their readers; also when the run fails
+    if run.is_logger:
+        log.info("done: %s", run_dir)
+
+
+def next_batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of `step`; for an engine that looks ahead, the next step's input is read now and handed to it
+    (offload's frozen part runs one batch ahead)."""
+    if run.next_batch is not None and run.next_batch[0] == step:
+        _, x, y = run.next_batch
+    else:
+        x, y = run.data.batch(step, run.device)
+    run.next_batch = None
+    if run.engine.wants_next_input and step < run.cfg.trainer.steps:
+        run.next_batch = (step + 1, *run.data.batch(step + 1, run.device))
+        run.engine.look_ahead(run.next_batch[1])
+    return x, y
 
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -67,15 +122,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     collective out of every step.
     """
     t0 = time.perf_counter()
-    if run.next_batch is not None and run.next_batch[0] == step:
-        _, x, y = run.next_batch
-    else:
-        x, y = run.data.batch(step, run.device)
-    run.next_batch = None
-    if getattr(run.engine, "wants_next_input", False) and step < run.cfg.trainer.steps:
-        # The engine starts on the next input while this step trains (offload's frozen lookahead).
-        run.next_batch = (step + 1, *run.data.batch(step + 1, run.device))
-        run.engine.look_ahead(run.next_batch[1])
+    x, y = next_batch(run, step)
     data_time = time.perf_counter() - t0
     loss = run.engine.forward_backward(x, y)
     norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)
@@ -88,11 +135,9 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
 def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     """Run steps `start`+1 .. `trainer.steps`; log every `trainer.log_every`, save a checkpoint every
     `trainer.checkpoint_every`. Returns the logged losses."""
-    from parallel.checkpoint import Checkpointer
-
     t = cfg.trainer
     metrics = Metrics(run_dir, run.is_logger, OmegaConf.to_yaml(OmegaConf.structured(cfg)), start)
-    checkpoints = Checkpointer(cfg, run_dir)
+    checkpoints = checkpoint.Checkpointer(cfg, run_dir)
     memory = PeakMemory(run.device)
     bar = tqdm(total=t.steps, initial=start, disable=not (run.is_logger and t.progress), desc="train",
                leave=False)
@@ -163,7 +208,7 @@ class _Window:
         return sum(s for s, _ in times) / len(times), sum(d for _, d in times) / len(times)
 
 
-def save_final(engine, path: Path) -> None:
+def save_final(engine: Engine, path: Path) -> None:
     """Gather the full, unpartitioned state dict and torch.save it from rank 0."""
     state = engine.full_state_dict()
     if dist.get_rank() == 0:
@@ -172,10 +217,6 @@ def save_final(engine, path: Path) -> None:
 
 def state_record(run: Run) -> dict:
     """Bytes of this rank's own pieces of the weights and of the optimizer state, every rank's (gathered)."""
-    def local_bytes(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
     params = {id(p): p for p in run.engine.model.parameters()}  # a weight shared by two modules counts once
     optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeroRedundancyOptimizer: the local one
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]

@@ -1,17 +1,50 @@
 """Data sources: each yields this rank's slice of the global batch for a step."""
 from __future__ import annotations
 
-from parallel.config import DataConfig
+from typing import Protocol
+
+import torch
+
+from parallel.config import TASKS, DataConfig, fail, positive
+from parallel.data.shards import ShardData, check_shards
 from parallel.data.synthetic import SyntheticData
 
 
-def build_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+class DataSource(Protocol):
+    """What the trainer reads: this rank's slice of the global batch of a step (a function of (seed, step),
+    so any step can be read on any world size), and `close` to stop any reader threads."""
+
+    def batch(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+def build_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> DataSource:
     """The configured source: SyntheticData, or ShardData for data=shards."""
     if cfg.name == "shards":
-        from parallel.data.shards import ShardData
-
         return ShardData(cfg, seed, batch_size, dp_rank, dp_size)
     return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size)
 
 
-__all__ = ["SyntheticData", "build_data"]
+def example_input(d: DataConfig, batch: int = 2, device: str | torch.device = "meta") -> tuple:
+    """The model's positional inputs for `batch` samples, as the data source hands them out (zeros)."""
+    if d.task == "lm":
+        return (torch.zeros(batch, d.seq_len, dtype=torch.long, device=device),)
+    return (torch.zeros(batch, d.features, device=device),)
+
+
+def check_data(d: DataConfig) -> None:
+    """The data group's settings (and, for data=shards, the dataset's files)."""
+    if d.name not in ("synthetic", "shards"):
+        fail("data.name", d.name, "unknown data source", ["synthetic", "shards"])
+    if d.name == "shards":
+        check_shards(d)
+    if d.task not in TASKS:
+        fail("data.task", d.task, "unknown task", list(TASKS))
+    for key in ("features", "targets", "classes", "vocab_size", "seq_len"):
+        positive(f"data.{key}", getattr(d, key))
+    if d.noise < 0:
+        fail("data.noise", d.noise, "must be >= 0")
+
+
+__all__ = ["DataSource", "ShardData", "SyntheticData", "build_data", "check_data", "example_input"]

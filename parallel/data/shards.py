@@ -54,8 +54,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from parallel.config import ConfigError, DataConfig
+from parallel.config import ConfigError, DataConfig, fail, positive
 from parallel.init import name_seed
+from parallel.units import parse_bytes
 
 FORMAT = "parallel-shards"
 VERSION = 1
@@ -140,6 +141,34 @@ class Manifest:
         return order[k], rows
 
 
+def read_hints(path: str | os.PathLike) -> dict:
+    """The task and sizes the dataset's manifest sets (`data.task`, `data.features`, ...)."""
+    m = Manifest.load(path)
+    m.field("features"), m.field("targets")
+    hints = m.record.get("hints") or {}
+    if not hints:
+        fail("data.path", str(path), "the manifest names no task for its features and targets")
+    return hints
+
+
+def check_shards(d: DataConfig) -> None:
+    """data=shards' settings, and the dataset's files (sizes, or checksums with data.verify=checksum)."""
+    positive("data.shuffle_buffer", d.shuffle_buffer, allow_zero=True)
+    positive("data.prefetch", d.prefetch, allow_zero=True)
+    positive("data.workers", d.workers)
+    if d.verify not in ("size", "checksum"):
+        fail("data.verify", d.verify, "unknown check", ["size", "checksum"])
+    m = Manifest.load(d.path)
+    x = m.field("features")
+    if d.task != "lm" and len(x["shape"]) != 1:
+        fail("data.path", d.path, f"features of shape {tuple(x['shape'])}: the built-in tasks take one "
+             f"vector of features per sample", "shards written with features of shape (F,)")
+    try:
+        m.check_files(checksums=d.verify == "checksum")
+    except ShardError as e:
+        fail("data.path", d.path, str(e))
+
+
 def _crc_file(path: Path, chunk: int = 8 << 20) -> int:
     crc = 0
     with open(path, "rb", buffering=0) as f:
@@ -201,7 +230,7 @@ class ShardWriter:
         if self.dtype.itemsize == 0:
             raise ConfigError("a sample of 0 bytes: nothing to write")
         size = self.shard_size
-        rows = size if isinstance(size, int) else max(1, _parse_size(size) // self.dtype.itemsize)
+        rows = size if isinstance(size, int) else max(1, parse_bytes(size) // self.dtype.itemsize)
         if rows < 1:
             raise ConfigError(f"shard_size={size!r}: must be at least one sample")
         self.rows_per_shard = rows
@@ -316,12 +345,6 @@ def _as_array(v: Any) -> np.ndarray:
     if isinstance(v, torch.Tensor):
         return v.detach().cpu().numpy()
     return np.asarray(v)
-
-
-def _parse_size(text: str) -> int:
-    from parallel.config import parse_bytes
-
-    return parse_bytes(text)
 
 
 def write_shards(samples: Iterable[Mapping[str, Any]], out: str | os.PathLike,

@@ -10,23 +10,10 @@ import weakref
 from typing import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind a DTensor (its local shard); other tensors as they are."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors that hold `t`'s memory. A wrapper subclass (DTensor, the async result of a functional
-    collective) owns a storage of its full size that holds nothing: what it wraps holds the memory."""
-    if not is_traceable_wrapper_subclass(t):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    inner = (getattr(t, name) for name in names)
-    return [p for i in inner if isinstance(i, torch.Tensor) for p in plain_tensors(i)]
+from parallel.tensors import plain_tensors
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -105,8 +92,3 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                 out += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return out
 
-
-def engine_tensors(engine) -> list[torch.Tensor]:
-    """What an engine keeps between steps besides the model and the optimizer: offload's buffer pool and
-    resident state (`resident_tensors`), a pipeline's receive buffers (`buffer_tensors`)."""
-    return list(getattr(engine, "resident_tensors", list)()) + list(getattr(engine, "buffer_tensors", list)())

@@ -52,20 +52,25 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.adamw import adamw
 from torch.utils.checkpoint import checkpoint
 
-from parallel.config import Config, ConfigError
-from parallel.engine import autocast
+from parallel.blocks import candidates
+from parallel.config import Config, RunError
+from parallel.data import example_input
+from parallel.engine import Engine, autocast
 from parallel.init import InitPlan, full_init_value
+from parallel.loss import loss_fn
+from parallel.metrics import log
 from parallel.offload.activations import ActivationStore
 from parallel.offload.tiers import Counters, DiskTier, HostTier, check_disk, effective, finish
+from parallel.runtime import Runtime
 
 ALIGN = 64
 
@@ -189,15 +194,20 @@ class OffloadOptimizer(torch.optim.AdamW):
             p.grad = None
 
 
-class OffloadEngine:
+class OffloadIO:
+    """The classes that move offloaded bytes: the real disk tier and activation store. The planner passes
+    stand-ins that move nothing (Note [runtime])."""
+
+    disk_tier = DiskTier
+    activation_store = ActivationStore
+
+
+class OffloadEngine(Engine):
     """The whole model on one device, its blocks streamed (Note [offload engine])."""
 
-    holds_loss = True
-    loss_group = None
-
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device, plan: InitPlan, blocks: list[str],
+    def __init__(self, model: nn.Module, cfg: Config, runtime: Runtime, plan: InitPlan, blocks: list[str],
                  run_dir: Path, loss_fn):
-        s = cfg.strategy
+        s, device, io = cfg.strategy, runtime.device, runtime.offload_io or OffloadIO()
         self.cfg, self.device, self.loss_fn = cfg, device, loss_fn
         _return_freed_memory()
         self.prefetch = s.prefetch
@@ -209,25 +219,25 @@ class OffloadEngine:
                            "activations": s.activations if s.activations == "checkpoint"
                            else effective(s.activations, device)}
         self.path = Path(s.path) if s.path else Path(run_dir) / "offload"
-        self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-io")
-        self.stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
+        self.io = runtime.executor(2, "offload-io")
+        self.stepper = runtime.executor(1, "offload-step")
         self.last_step = None
         self.model = model
         self._realize(model, blocks)
         disk_bytes = self._disk_bytes()
-        if disk_bytes:
+        if disk_bytes and runtime.check_disk:
             why = check_disk(self.path, disk_bytes)
             if why:
-                raise ConfigError(f"strategy.path={str(self.path)!r}: {why}")
+                raise RunError(f"strategy.path={str(self.path)!r}: {why}")
         self.tiers = {}
         for kind in ("params", "optimizer"):
             t = self.tier_names[kind]
-            self.tiers[kind] = (DiskTier(self.path / kind, self.counters[kind], self.io) if t == "disk"
+            self.tiers[kind] = (io.disk_tier(self.path / kind, self.counters[kind], self.io) if t == "disk"
                                 else HostTier(device, self.counters[kind]) if t == "cpu" else None)
         act = self.tier_names["activations"]
         self.acts = None
         if act in ("disk", "cpu"):
-            self.acts = ActivationStore(self.path if act == "disk" else None, device, self.counters["activations"],
+            self.acts = io.activation_store(self.path if act == "disk" else None, device, self.counters["activations"],
                                         self.io)
         self.stream_params = self.tiers["params"] is not None
         # Leading blocks with no trainable parameter never run backward (their inputs need no gradient either).
@@ -245,7 +255,7 @@ class OffloadEngine:
         for b in self.blocks:
             b.pool, b.group, b.ahead = (self.ahead_pool, (0, len(ahead)), True) if b.index < len(ahead) else \
                 (self.pool, (len(ahead), len(self.blocks)), False)
-        self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-ahead")
+        self.ahead = runtime.executor(1, "offload-ahead")
         self.next_input: torch.Tensor | None = None  # handed over by the trainer for the next step
         self.pending_features: tuple[torch.Tensor, object] | None = None  # (input, its features' future)
         self.frozen_wait_s, self.frozen_ahead_steps = 0.0, 0
@@ -715,7 +725,7 @@ class OffloadEngine:
         self.steps_run = 0
         return out
 
-    def resident_tensors(self) -> list[torch.Tensor]:
+    def optimizer_tensors(self) -> list[torch.Tensor]:
         """Device tensors the engine holds besides the model's: pool buffers and resident optimizer state."""
         out = list(self.pool.all) + list(self.ahead_pool.all) + list(self.grads_in_memory.values())
         if self.pending_features is not None and self.pending_features[1].done():
@@ -725,6 +735,10 @@ class OffloadEngine:
         for pair in self.resident_state.values():
             out += list(pair)
         return out
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """All of what `optimizer_tensors` holds is kept between steps."""
+        return self.optimizer_tensors()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
@@ -748,9 +762,10 @@ class OffloadEngine:
         return state
 
     @torch.no_grad()
-    def checkpoint_state(self) -> tuple[dict, dict]:
-        """(weights and buffers, AdamW state) under the original names, as CPU copies read from the tiers
-        (parallel.checkpoint; the state the first step has not made yet is zeros, as AdamW starts it)."""
+    def checkpoint_state(self, optimizer, canonical: dict[str, str]):
+        """(weights and buffers, AdamW state, no copies) under the original names, as CPU copies read from the
+        tiers (the state the first step has not made yet is zeros, as AdamW starts it); the engine keeps its
+        own optimizer state, and a tied weight stays resident under its first name."""
         model = self.full_state_dict()  # also waits for the step in flight
         optim = {}
 
@@ -769,7 +784,7 @@ class OffloadEngine:
         for p in self.resident:
             if p.requires_grad:
                 put(p, *self.resident_state.get(p, (torch.zeros_like(p), torch.zeros_like(p))))
-        return model, optim
+        return model, optim, []
 
     @torch.no_grad()
     def load_checkpoint_state(self, model: dict, optim: dict) -> None:
@@ -820,3 +835,19 @@ class OffloadEngine:
             self.acts.close()
         if self.path.exists() and not any(self.path.iterdir()):
             self.path.rmdir()
+
+
+def build_offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
+    """strategy=offload: this process's engine, the model streamed block by block (Note [offload engine])."""
+    names, _ = candidates(model, example_input(cfg.data))
+    engine = OffloadEngine(model, cfg, runtime, plan, names, cfg.run_dir, loss_fn(cfg.data.task))
+    t = engine.tier_names
+    if not engine.blocks:
+        log.warning("offload: no blocks found (the model's children called by its forward, or a ModuleList's "
+                    "children): every weight stays on the device")
+    if engine.n_ahead:
+        log.info("offload: the first %d blocks are frozen and run one batch ahead of the rest", engine.n_ahead)
+    log.info("offload: %d blocks (largest %.1f MB), params on %s, optimizer state on %s, activations on %s%s",
+             len(engine.blocks), engine.pool.nbytes / 1e6, t["params"], t["optimizer"], t["activations"],
+             f" ({engine.path})" if "disk" in t.values() else "")
+    return engine

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from parallel.units import human_bytes
+
 TIERS = ("device", "cpu", "disk", "auto")
 
 
@@ -190,9 +192,3 @@ def check_disk(path: Path, needed: int) -> str | None:
         return f"{human_bytes(needed)} needed, {human_bytes(free)} free at {probe_dir}"
     return None
 
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from parallel.config import Config
+from parallel.runtime import Runtime
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
@@ -21,14 +22,15 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return [m for child in model.modules() if isinstance(child, nn.ModuleList) for m in child]
 
 
-def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
+def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
     """Replicate or shard `model` over the mesh's `dp` dimension, in place."""
     dp_mesh = mesh["dp"]
     if cfg.strategy.zero <= 1:
         # The composable form of DDP keeps parameter names unchanged (no `module.`
         # prefix) and builds its reducer lazily at the first forward, after the
-        # model has been materialized and initialized.
-        replicate(model, device_mesh=dp_mesh)
+        # model has been materialized and initialized. (The planner passes a
+        # stand-in: DDP's reducer cannot run on fake tensors, Note [runtime].)
+        (runtime.replicate or replicate)(model, device_mesh=dp_mesh)
         return model
     reshard = cfg.strategy.zero == 3
     # One FSDP unit per block so that only one block's parameters are gathered at

@@ -25,23 +25,22 @@ position hold the same piece and average their gradients.
 """
 from __future__ import annotations
 
-import copy
 import warnings
 
-import torch
-from torch import fx, nn
+from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from parallel.config import Config
-from parallel.data.synthetic import loss_fn
-from parallel.engine import LocalEngine
+from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
+from parallel.loss import loss_fn
+from parallel.runtime import Runtime
 from parallel.strategies.data import blocks_of
+from parallel.strategies.pipeline import build_pipeline
 from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.tensor import shard, tensor_plan
-
 
 # A tensor-parallel layer hands its output on as a view of a DTensor's local
 # piece, which FSDP2 warns about in case the caller changes it in place; the
@@ -64,7 +63,7 @@ def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, 
     wrap(module)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan):
+def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
     """Apply steps 1-4 to `model` (on the meta device) and return this rank's engine."""
     s = cfg.strategy
     tp_plan = tensor_plan(model, cfg) if s.tp > 1 else {}
@@ -76,31 +75,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.d
             data_parallel(module, blocks, mesh, s.zero)
 
     if s.pp > 1:
-        from parallel.strategies.pipeline import build_pipeline
-
         tp_shapes = (lambda module: shard(module, mesh, tp_plan)) if s.tp > 1 else None  # noqa: E731
-        return build_pipeline(model, mesh, cfg, device, plan, transform=pieces, shape_transform=tp_shapes)
+        return build_pipeline(model, mesh, cfg, runtime, plan, transform=pieces, shape_transform=tp_shapes)
     if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
         recompute_model(model, cfg)
     pieces(model, blocks_of(model))
-    materialize_and_init(model, device, cfg.trainer.seed, plan)
-    return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), device)
-
-
-def eager_blocks(stage: fx.GraphModule, model: nn.Module, names: list[str]) -> list[nn.Module]:
-    """Put the model's own modules in place of the traced copies of the blocks `stage` calls.
-
-    The traced stage calls each block as a submodule with the arguments the
-    forward gave it, so the model's module is a drop-in replacement; tensor
-    parallel styles need it (they shard nn.Linear and nn.Embedding, and the
-    model's code reads shapes at run time where the trace fixed them). The
-    blocks are copied together, so weights shared between them stay shared.
-    Returns the swapped-in blocks.
-    """
-    called = {n.target for n in stage.graph.nodes if n.op == "call_module"}
-    held = [n for n in names if n in called]
-    originals = copy.deepcopy(nn.ModuleList(model.get_submodule(n) for n in held))
-    for name, original in zip(held, originals):
-        parent, _, leaf = name.rpartition(".")
-        setattr(stage.get_submodule(parent) if parent else stage, leaf, original)
-    return list(originals)
+    materialize_and_init(model, runtime.device, cfg.trainer.seed, plan)
+    return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), runtime.device)

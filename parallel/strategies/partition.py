@@ -1,7 +1,7 @@
 """Where pipeline stages begin: candidate blocks, their measured cost, and a balanced split.
 
 # Note [pipeline partitioning]
-Candidates are the model's top-level children in the order its forward calls
+Candidates (parallel.blocks.candidates) are the model's top-level children in the order its forward calls
 them, with ModuleList / Sequential children expanded one level (the repeated
 blocks). A stage is a contiguous run of candidates; the split itself is traced
 from the forward (torch.distributed.pipelining.pipeline), so values that skip
@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_flatten, tree_map
-
-BALANCES = ("time", "memory", "params")
+from torch.utils.flop_counter import FlopCounterMode
 
 
 @dataclass
-class Block:
+class BlockCost:
+    """What one candidate block costs for one microbatch (see the Note)."""
+
     name: str
     params: int
     param_bytes: int
@@ -39,35 +39,6 @@ class Block:
     time_s: float = 0.0
     flops: int = 0
     measured: bool = False
-
-
-def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, tuple]]:
-    """Candidate block names in forward order, and each one's example (args, kwargs) on meta.
-
-    Args:
-        model: the unpartitioned model on the meta device.
-        example: the positional inputs of one microbatch (meta tensors).
-    """
-    names = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            names += [f"{name}.{sub}" for sub, _ in child.named_children()]
-        else:
-            names.append(name)
-    order, inputs, handles = [], {}, []
-    for name in names:
-        def hook(mod, args, kwargs, name=name):
-            if name not in inputs:
-                order.append(name)
-                inputs[name] = (args, kwargs)
-        handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(*example)
-    finally:
-        for h in handles:
-            h.remove()
-    return order, inputs
 
 
 def _real(t):
@@ -99,13 +70,13 @@ def _saved_bytes(module: nn.Module, args, kwargs) -> int:
 
 
 def measure(model: nn.Module, names: list[str], inputs: dict, measure_limit_bytes: int = 256 << 20,
-            repeats: int = 5) -> list[Block]:
+            repeats: int = 5) -> list[BlockCost]:
     """Cost of each candidate block for one microbatch (see Note [pipeline partitioning])."""
     blocks = []
     for name in names:
         mod = model.get_submodule(name)
         params = [p for p in mod.parameters() if p.requires_grad]
-        b = Block(name, sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params))
+        b = BlockCost(name, sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params))
         args, kwargs = inputs[name]
         with FlopCounterMode(display=False) as fc:
             _fwd_bwd(mod, *tree_map(lambda t: t.detach().requires_grad_(t.dtype.is_floating_point)
@@ -135,7 +106,7 @@ def measure(model: nn.Module, names: list[str], inputs: dict, measure_limit_byte
     return blocks
 
 
-def _estimate_unmeasured(blocks: list[Block]) -> None:
+def _estimate_unmeasured(blocks: list[BlockCost]) -> None:
     measured = [b for b in blocks if b.measured and b.flops > 0]
     rate = sum(b.flops for b in measured) / max(1e-9, sum(b.time_s for b in measured)) if measured else 1e10
     for b in blocks:
@@ -144,12 +115,12 @@ def _estimate_unmeasured(blocks: list[Block]) -> None:
             b.act_bytes = b.param_bytes  # without a run, assume activations as large as weights
 
 
-def stage_memory(blocks: list[Block], in_flight: int) -> int:
+def stage_memory(blocks: list[BlockCost], in_flight: int) -> int:
     """Weights + grads + 2 AdamW moments (4x the weights) + saved activations of `in_flight` microbatches."""
     return sum(4 * b.param_bytes + in_flight * b.act_bytes for b in blocks)
 
 
-def cost_of(block: Block, balance: str, in_flight: int = 1) -> float:
+def cost_of(block: BlockCost, balance: str, in_flight: int = 1) -> float:
     if balance == "params":
         return float(block.params)
     if balance == "memory":

@@ -8,7 +8,6 @@ gradients are summed over the copies before the step, so the copies stay equal.
 """
 from __future__ import annotations
 
-import contextvars
 import copy
 import time
 import warnings
@@ -21,13 +20,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.distributed.tensor import DTensor
 
-from parallel.config import Config, ConfigError
+from parallel.blocks import candidates
+from parallel.config import Config, ConfigError, fail, positive
+from parallel.data import example_input
+from parallel.engine import Engine
 from parallel.init import InitPlan, materialize_and_init
+from parallel.loss import loss_fn
+from parallel.memory.budget import budget_bytes
+from parallel.metrics import gather_floats, log
 from parallel.optim import clip_grads
+from parallel.runtime import Runtime
 from parallel.strategies import partition, schedules
 from parallel.strategies.chain import chain, compiled, retarget
 from parallel.strategies.recompute import recompute_blocks, recomputing
-
+from parallel.tensors import local
 
 # Copying a traced pipeline copies torch's own pytree specs, whose deprecated
 # LeafSpec check warns once per process from inside torch; nothing to act on here.
@@ -44,23 +50,13 @@ class Split:
     blocks: list[str] = field(default_factory=list)  # every candidate block, in forward order
 
 
-# Set by the planner (parallel.planner): stages get their shapes up front. Under fake
-# tensors and a fake process group PyTorch's first-step shape inference, which
-# runs placeholder values and exchanges their metadata between ranks, cannot run.
-STATIC_SHAPES: contextvars.ContextVar[bool] = contextvars.ContextVar("pipeline_static_shapes", default=False)
-
-
-def example_microbatch(cfg: Config, dp: int, device="meta") -> tuple:
-    """The positional inputs of one microbatch, as the data source will hand them out."""
-    d = cfg.data
-    mb = cfg.trainer.batch_size // dp // microbatches(cfg)
-    if d.task == "lm":
-        return (torch.zeros(mb, d.seq_len, dtype=torch.long, device=device),)
-    return (torch.zeros(mb, d.features, device=device),)
+def example_microbatch(cfg: Config, dp: int) -> tuple:
+    """The positional inputs of one microbatch (meta tensors), as the data source will hand them out."""
+    return example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg))
 
 
 def microbatches(cfg: Config) -> int:
-    return cfg.strategy.microbatches  # filled by config.resolve
+    return cfg.strategy.microbatches  # filled by parallel.validate.resolve
 
 
 def trace(model: nn.Module, example: tuple, starts: list[str]):
@@ -85,20 +81,20 @@ def untraceable(model: nn.Module, e: Exception) -> ConfigError:
         "`if` on a tensor's value), or use strategy=data.")
 
 
-def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> Split:
+def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime) -> Split:
     """Choose the stage boundaries (split points given, or balanced) and trace the split.
 
     Args:
         model: the unpartitioned model on the meta device.
         cfg: the run config (strategy.split_points, strategy.balance, memory.budget).
         dp: the data-parallel degree (it sets the microbatch size).
-        measure: time blocks on real tensors (False: FLOPs only, for validation).
+        runtime: `time_blocks` (False: weigh blocks by FLOPs only), `agree` (every rank takes rank 0's split).
     """
     s = cfg.strategy
     n_stages = s.pp * s.stages_per_rank
     example = example_microbatch(cfg, dp)
     try:
-        names, inputs = partition.candidates(model, example)
+        names, inputs = candidates(model, example)
     except Exception as e:  # the forward failed on meta tensors: same cause as a failed trace
         raise untraceable(model, e) from None
     if n_stages > len(names):
@@ -107,7 +103,7 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
     # Only rank 0's choice counts (below), so only rank 0 times the blocks: the
     # others would compete with it for the machine and skew what it measures.
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    timed = measure and (not distributed or dist.get_rank() == 0)
+    timed = runtime.time_blocks and (not distributed or dist.get_rank() == 0)
     blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if timed else -1)
     in_flight = microbatches(cfg) if schedules.canonical(s.schedule) == "GPipe" else min(microbatches(cfg), s.pp)
     allowed = _float_boundaries(model, example, names)
@@ -116,17 +112,13 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, measure: bool = True) -> 
     else:
         costs = [partition.cost_of(b, s.balance, in_flight) for b in blocks]
         mem = [partition.stage_memory([b], in_flight) for b in blocks]
-        budget = _budget(cfg)
+        budget = budget_bytes(cfg.memory)
         try:
             starts_idx = partition.balance(costs, n_stages, mem, budget, allowed)
         except ValueError as e:
             key = "memory.budget" if budget is not None else "strategy.pp"
             raise ConfigError(f"{key}={cfg.memory.budget if budget is not None else s.pp}: {e}") from None
-    if distributed:
-        # Every rank must cut the model the same way: rank 0's choice wins.
-        box = [starts_idx]
-        dist.broadcast_object_list(box, src=0)
-        starts_idx = box[0]
+    starts_idx = runtime.agree(starts_idx)  # every rank must cut the model the same way: rank 0's choice wins
     starts = [names[i] for i in starts_idx]
     pipe = trace(model, example, starts)
     if pipe.num_stages != n_stages:
@@ -181,12 +173,6 @@ def _float_boundaries(model: nn.Module, example: tuple, names: list[str]) -> set
     return {j for j in range(1, len(names)) if all(t.dtype.is_floating_point for t in shapes[j][0])}
 
 
-def _budget(cfg: Config) -> int | None:
-    from parallel.config import parse_bytes
-
-    return parse_bytes(cfg.memory.budget) if cfg.memory.budget else None
-
-
 def format_split(split: Split) -> str:
     lines = [f"{'stage':>5} {'rank':>4}  {'blocks':<28} {'params':>10} {'time ms':>8} {'memory MB':>10}"]
     for r in split.rows:
@@ -205,7 +191,7 @@ class TiedCopy:
     owner: bool  # this rank's first copy is the one counted in the gradient norm
 
 
-def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan,
+def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan,
                    transform=None, shape_transform=None) -> "PipelineEngine":
     """Split `model` (on meta) into stages over the mesh's pp dimension; return this rank's engine.
 
@@ -217,33 +203,28 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, device: torc
         shape_transform: `stage -> None`, the part of `transform` that changes
             the shapes crossing stages (tensor parallelism: a stage may end in
             a sharded layer). Used only when the shapes are given up front
-            (STATIC_SHAPES), where every stage is shaped on a copy.
+            (`runtime.static_shapes`), where every stage is shaped on a copy.
     """
-    from parallel.data.synthetic import loss_fn
-    from parallel.metrics import log
-
-    split = plan_split(model, cfg, mesh["dp"].size())
+    split = plan_split(model, cfg, mesh["dp"].size(), runtime)
     log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
              format_split(split))
-    stages, modules, tied = build_stages(split, mesh, cfg, device, plan, model if transform else None, transform,
+    stages, modules, tied = build_stages(split, mesh, cfg, runtime, plan, model if transform else None, transform,
                                          shape_transform)
     groups: dict[str, list[str]] = {}
-    for name, (_, _, canonical) in plan.items():
-        groups.setdefault(canonical, []).append(name)
+    for name, entry in plan.items():
+        groups.setdefault(entry.canonical, []).append(name)
     tied_names = [names for names in groups.values() if len(names) > 1]
     return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss_fn(cfg.data.task), tied_names)
 
 
-def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.device, plan: InitPlan,
+def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan,
                  model: nn.Module | None = None, transform=None, shape_transform=None):
     """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
 
     With `model` and `transform` (strategy=hybrid), each stage gets the model's
     own block modules in place of the traced ones, then `transform(stage, blocks)`.
     """
-    from parallel.strategies.hybrid import eager_blocks
-
-    s = cfg.strategy
+    s, device = cfg.strategy, runtime.device
     pp_mesh = mesh["pp"]
     pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     ranks = schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank)
@@ -253,7 +234,7 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
     except ValueError as e:
         raise ConfigError(f"strategy=pipeline: {e}") from None
     shapes = None
-    if STATIC_SHAPES.get():
+    if runtime.static_shapes:
         shaped = chained
         if shape_transform is not None:  # each stage as its ranks will hold it, on a copy (still on meta)
             shaped = [copy.deepcopy(gm) for gm in chained]
@@ -284,6 +265,25 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, device: torch.devi
         stages.append(PipelineStage(mod, i, len(chained), device, group=pp_group, **given))
         modules.append(mod)
     return stages, modules, _tie(split, mesh, modules, ranks, plan)
+
+
+def eager_blocks(stage: fx.GraphModule, model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """Put the model's own modules in place of the traced copies of the blocks `stage` calls.
+
+    The traced stage calls each block as a submodule with the arguments the
+    forward gave it, so the model's module is a drop-in replacement; tensor
+    parallel styles need it (they shard nn.Linear and nn.Embedding, and the
+    model's code reads shapes at run time where the trace fixed them). The
+    blocks are copied together, so weights shared between them stay shared.
+    Returns the swapped-in blocks.
+    """
+    called = {n.target for n in stage.graph.nodes if n.op == "call_module"}
+    held = [n for n in names if n in called]
+    originals = copy.deepcopy(nn.ModuleList(model.get_submodule(n) for n in held))
+    for name, original in zip(held, originals):
+        parent, _, leaf = name.rpartition(".")
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, original)
+    return list(originals)
 
 
 def _drop_unused(stage: fx.GraphModule, names: list[str]) -> None:
@@ -323,7 +323,7 @@ def _tie(split: Split, mesh: DeviceMesh, modules: list[nn.Module], ranks: list[i
     groups: dict[str, list[int]] = {}  # canonical name -> stages holding a copy
     for i in range(split.pipe.num_stages):
         for name, _ in split.pipe.get_stage_module(i).named_parameters():
-            canonical = plan[name][2]
+            canonical = plan[name].canonical
             groups.setdefault(canonical, []).append(i)
     tied = []
     # Every pipeline in the mesh (one per dp x tp position), as rows of global ranks by stage rank.
@@ -338,14 +338,14 @@ def _tie(split: Split, mesh: DeviceMesh, modules: list[nn.Module], ranks: list[i
             g = dist.new_group([row[r] for r in holders]) if len(holders) > 1 else None
             if me in row:
                 group = g
-        params = [p for m in modules for n, p in m.named_parameters() if plan[n][2] == canonical]
+        params = [p for m in modules for n, p in m.named_parameters() if plan[n].canonical == canonical]
         if params:
             pp_rank = mesh["pp"].get_local_rank()
             tied.append(TiedCopy(params, group, owner=ranks[stages[0]] == pp_rank))
     return tied
 
 
-class PipelineEngine:
+class PipelineEngine(Engine):
     """One training step through a pipeline schedule, and the pipeline's own metrics."""
 
     def __init__(self, cfg: Config, mesh: DeviceMesh, split: Split, stages, modules, tied, loss_fn,
@@ -389,7 +389,7 @@ class PipelineEngine:
         for t in self.tied:
             # Every copy is placed alike (same tensor and data parallel layout at
             # the same mesh position), so summing the local pieces sums the whole.
-            grads = [_local(p.grad) for p in t.params if p.grad is not None]
+            grads = [local(p.grad) for p in t.params if p.grad is not None]
             if not grads:
                 continue
             total = torch.stack(grads).sum(0)
@@ -398,7 +398,7 @@ class PipelineEngine:
             for g in grads:
                 g.copy_(total)
 
-    def buffer_tensors(self) -> list[torch.Tensor]:
+    def kept_tensors(self) -> list[torch.Tensor]:
         """The stages' receive buffers (activations and their gradients, one per microbatch): made at the
         first step and kept, so the memory watch counts them from the start of each later step."""
         out = []
@@ -426,10 +426,10 @@ class PipelineEngine:
         unpartitioned model's state dict.
         """
         # A DTensor (tensor or data parallel piece) is gathered whole over its own mesh first.
-        local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                 for m in self.model for k, v in m.state_dict().items()}
+        mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                for m in self.model for k, v in m.state_dict().items()}
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(local, parts, dst=0)
+        dist.gather_object(mine, parts, dst=0)
         if dist.get_rank() != 0:
             return {}
         state = {}
@@ -444,8 +444,6 @@ class PipelineEngine:
 
     def metrics(self) -> dict:
         """Bubble (measured and analytic), stage imbalance; collective over all ranks."""
-        from parallel.metrics import gather_floats
-
         s = self.cfg.strategy
         v = s.stages_per_rank
         # The median step since the last log: the trainer's memory watch slows
@@ -468,10 +466,6 @@ class PipelineEngine:
                 "stage_time_s_per_stage": totals}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _time_compute(stage, engine: PipelineEngine) -> None:
     """Add the compute time of each chunk this stage runs to the engine's busy counters.
 
@@ -491,3 +485,27 @@ def _time_compute(stage, engine: PipelineEngine) -> None:
                 engine.stage_busy[stage.stage_index] += dt
 
         setattr(stage, name, timed)
+
+
+def check_pipeline(cfg: Config, per_rank: int) -> None:
+    """Microbatches, stages per rank and the schedule fit the per-rank batch and each other."""
+    s, t = cfg.strategy, cfg.trainer
+    positive("strategy.microbatches", s.microbatches)
+    positive("strategy.stages_per_rank", s.stages_per_rank)
+    if per_rank % s.microbatches:
+        fail("strategy.microbatches", s.microbatches,
+             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
+             [d for d in range(1, per_rank + 1) if per_rank % d == 0])
+    if t.grad_accum != 1:
+        fail("trainer.grad_accum", t.grad_accum,
+             "must be 1 under strategy=pipeline: microbatches already accumulate gradients",
+             "raise strategy.microbatches instead")
+    why = schedules.check(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
+    if why:
+        fail(f"strategy.schedule={s.schedule} with strategy.stages_per_rank={s.stages_per_rank} and "
+             f"strategy.microbatches", s.microbatches, why)
+
+
+def check_split(model: nn.Module, cfg: Config) -> None:
+    """The model (on meta) traces into the configured stages; bad split points are named."""
+    plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False))

@@ -19,7 +19,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable import checkpoint
 
+from parallel.blocks import candidates
 from parallel.config import Config
+from parallel.data import example_input
 
 
 def recomputing(cfg: Config) -> bool:
@@ -27,7 +29,7 @@ def recomputing(cfg: Config) -> bool:
 
 
 def block_names(names: list[str]) -> list[str]:
-    """Of the candidate block names (parallel.strategies.partition.candidates, in forward order), those
+    """Of the candidate block names (parallel.blocks.candidates, in forward order), those
     of repeated blocks (inside a ModuleList or Sequential: dotted); all of them when there are none."""
     repeated = [n for n in names if "." in n]
     return repeated or list(names)
@@ -41,8 +43,5 @@ def recompute_blocks(root: nn.Module, names: list[str]) -> None:
 
 def recompute_model(model: nn.Module, cfg: Config) -> None:
     """Checkpoint the blocks of a whole model (strategies that keep the whole model on each rank)."""
-    from parallel.strategies.partition import candidates
-    from parallel.strategies.tensor import example_input
-
-    names, _ = candidates(model, example_input(cfg))
+    names, _ = candidates(model, example_input(cfg.data))
     recompute_blocks(model, names)

@@ -39,13 +39,21 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from parallel.config import Config, ConfigError
+from parallel.config import Config, ConfigError, StrategyConfig, fail
+from parallel.data import example_input
 from parallel.layers import LocallyConnected1d, LocallyConnected2d, PositionwiseParallel
+from parallel.metrics import log
+from parallel.runtime import Runtime
 
 SEQ = Shard(1)  # activations are (batch, sequence, features)
 STYLES = {
@@ -239,19 +247,9 @@ def _check_divisible(module: nn.Module, name: str, style: str, tp: int) -> None:
                               f"by tp {tp} ({style})")
 
 
-def example_input(cfg: Config) -> tuple:
-    """Meta inputs of a small batch, as the data source hands them to the model."""
-    d = cfg.data
-    if d.task == "lm":
-        return (torch.zeros(2, d.seq_len, dtype=torch.long, device="meta"),)
-    return (torch.zeros(2, d.features, device="meta"),)
-
-
 def tensor_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
     """The checked plan for `model` (on meta); an inferred one is printed."""
-    from parallel.metrics import log
-
-    plan = resolve_plan(model, cfg, example_input(cfg))
+    plan = resolve_plan(model, cfg, example_input(cfg.data))
     if not cfg.strategy.tp_plan and not hasattr(model, "tp_plan"):
         log.info("inferred tensor-parallel plan (set strategy.tp_plan to change it): %s",
                  ", ".join(f"{n}:{s}" for n, s in plan.items()))
@@ -270,8 +268,23 @@ def shard(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
         parallelize_module(module, mesh["tp"], styles)
 
 
-def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
+def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
     """Shard `model` (on meta) over the mesh's `tp` dimension by its plan, in place."""
     shard(model, mesh, tensor_plan(model, cfg))
     return model
 
+
+
+def check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
+    """tp_plan and sequence_parallel are set only where layers are split over tensor-parallel ranks."""
+    rule = "strategy=model, or strategy=hybrid with strategy.tp > 1"
+    if s.tp_plan and not allowed:
+        fail("strategy.tp_plan", list(s.tp_plan), f"a tensor-parallel plan needs {rule}")
+    if s.sequence_parallel and not allowed:
+        fail("strategy.sequence_parallel", True,
+             f"sequence parallelism shards between tensor-parallel layers: it needs {rule}")
+
+
+def check_plan(model: nn.Module, cfg: Config) -> None:
+    """The plan resolves against the model (on meta): styles known, patterns matched, widths divisible."""
+    resolve_plan(model, cfg, example_input(cfg.data))

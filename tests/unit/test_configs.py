@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 import parallel.config  # noqa: F401  (registers the schema and resolvers)
-from parallel.config import to_config, validate
+from parallel.validate import to_config, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 EXTRA = {("model", "custom"): ["model._target_=tests.user_model.two_tower"],

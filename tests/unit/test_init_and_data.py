@@ -1,10 +1,10 @@
 """Initialization by name, deterministic data, the live-bytes tracker."""
 import torch
-from torch import nn
 
 from parallel.config import DataConfig
-from parallel.data.synthetic import SyntheticData, loss_fn
+from parallel.data.synthetic import SyntheticData
 from parallel.init import materialize_and_init, name_seed
+from parallel.loss import loss_fn
 from parallel.memory.tracker import LiveTensorBytes
 from parallel.models import MODELS
 

@@ -2,8 +2,10 @@
 import pytest
 import torch
 
-from parallel.config import Config, ConfigError, validate
+from parallel.blocks import candidates
+from parallel.config import Config, ConfigError
 from parallel.strategies import partition, schedules
+from parallel.validate import validate
 from tests.user_model import Heavy
 
 
@@ -40,7 +42,7 @@ def test_balancer_evens_out_a_heavy_block_where_equal_layers_do_not(balance):
     with torch.device("meta"):
         model = Heavy(width=256, light=16)
     example = (torch.zeros(128, 256, device="meta"),)
-    names, inputs = partition.candidates(model, example)
+    names, inputs = candidates(model, example)
     assert names == [f"blocks.{i}" for i in range(17)]
     blocks = partition.measure(model, names, inputs, repeats=7)
     costs = [partition.cost_of(b, balance) for b in blocks]
@@ -121,9 +123,10 @@ def test_split_where_integers_cross_is_refused_and_the_balancer_avoids_it():
     cfg.model.args = {"vocab_size": 64, "seq_len": 32, "layers": 1}
     with pytest.raises(ConfigError, match=r"strategy.split_points.*integer tensors"):
         validate(cfg, 2)
-    from parallel.config import build_meta_model
+    from parallel.models.build import build_meta_model
+    from parallel.runtime import Runtime
     from parallel.strategies.pipeline import plan_split
 
     cfg.strategy.split_points = []
-    split = plan_split(build_meta_model(cfg.model), cfg, dp=1, measure=False)
+    split = plan_split(build_meta_model(cfg.model), cfg, 1, Runtime(time_blocks=False))
     assert split.starts[1] != "pos"

@@ -3,9 +3,10 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.config import Config, ConfigError, validate
+from parallel.config import Config, ConfigError
 from parallel.models import MODELS
 from parallel.strategies.tensor import infer_plan, resolve_plan
+from parallel.validate import validate
 
 
 def _cfg(model="mlp", args=None, target=None, plan=(), tp=2) -> Config:
@@ -33,7 +34,7 @@ def test_gpt_plan_shards_attention_and_mlp_and_gathers_the_head():
 def test_user_plan_patterns_expand_over_module_names():
     cfg = _cfg("custom", {}, "tests.user_model.feed_forwards", ["pairs.*.up:colwise", "pairs.*.down:rowwise"])
     validate(cfg, 2)
-    from parallel.config import build_meta_model
+    from parallel.models.build import build_meta_model
 
     plan = resolve_plan(build_meta_model(cfg.model), cfg)
     assert plan == {"pairs.0.up": "colwise", "pairs.1.up": "colwise", "pairs.0.down": "rowwise",

@@ -1,9 +1,10 @@
 """Cross-field rules: each bad input names its key and fails before any worker starts."""
 import pytest
 
-from parallel.config import Config, ConfigError, ModelConfig, parse_bytes, validate
+from parallel.config import Config, ConfigError, StrategyConfig
 from parallel.dims import ParallelDims
-from parallel.config import StrategyConfig
+from parallel.units import parse_bytes
+from parallel.validate import validate
 
 
 def cfg_with(**changes) -> Config:
@@ -130,4 +131,4 @@ def test_disk_check_names_the_bytes_needed(tmp_path):
 
     assert check_disk(tmp_path / "new" / "dir", 1) is None
     why = check_disk(tmp_path, 10**18)
-    assert "1000000000.00 GB needed" in why and "free at" in why
+    assert "1000000.0 TB needed" in why and "free at" in why  # parallel.units.human_bytes

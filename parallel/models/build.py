@@ -1,0 +1,93 @@
+"""Model building: the factory (a built-in or the user's `_target_`), the model on the meta device, and the
+checks that it can be built, initialized and fed the configured data (run once, before workers start)."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+
+import torch
+from torch import nn
+
+from parallel.config import Config, ModelConfig, fail
+from parallel.data import example_input
+from parallel.init import check_initializable
+from parallel.models import MODELS
+
+
+def resolve_factory(m: ModelConfig):
+    """The callable that builds the model: a built-in, or the user's `_target_`."""
+    if m._target_:
+        mod_name, _, attr = m._target_.rpartition(".")
+        if not mod_name:
+            fail("model._target_", m._target_, "must be a dotted path 'package.module.callable'")
+        try:
+            factory = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as e:
+            fail("model._target_", m._target_, f"cannot be imported ({type(e).__name__}: {e})")
+        if not callable(factory):
+            fail("model._target_", m._target_, "is not callable")
+        return factory
+    if m.name not in MODELS:
+        fail("model.name", m.name, "unknown model; use a built-in or set model._target_", sorted(MODELS))
+    return MODELS[m.name]
+
+
+def build_meta_model(m: ModelConfig) -> nn.Module:
+    """Build the model on the meta device (no memory) and check it is an nn.Module that can be initialized."""
+    factory = resolve_factory(m)
+    try:
+        with torch.device("meta"):
+            model = factory(**m.args)
+    except (TypeError, ValueError) as e:
+        key = "model._target_" if m._target_ else f"model={m.name}"
+        fail(key, dict(m.args), f"building the model failed: {type(e).__name__}: {e}")
+    if not isinstance(model, nn.Module):
+        key = "model._target_" if m._target_ else "model.name"
+        fail(key, m._target_ or m.name, f"must return an nn.Module, returned {type(model).__name__}")
+    try:
+        check_initializable(model)
+    except ValueError as e:
+        fail("model", m._target_ or m.name, str(e))
+    return model
+
+
+def check_model(m: ModelConfig) -> None:
+    """The factory exists, accepts `model.args`, and builds an initializable module."""
+    if m.frozen_checkpoint is not None and not os.path.isfile(m.frozen_checkpoint):
+        fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
+    factory = resolve_factory(m)
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        sig = None  # a builtin or C callable: its arguments are checked by calling it
+    if sig is not None:
+        try:
+            sig.bind(**m.args)
+        except TypeError as e:
+            hint = ""
+            if m._target_ and m.name != "custom":
+                hint = f"; model.args holds the built-in '{m.name}' arguments: start from model=custom"
+            fail("model.args", dict(m.args),
+                 f"do not fit {getattr(factory, '__qualname__', factory)}{sig}: {e}{hint}",
+                 list(sig.parameters))
+    build_meta_model(m)
+
+
+def check_model_takes_data(cfg: Config) -> None:
+    """The model runs on two samples shaped as the data's and gives what its targets need."""
+    d = cfg.data
+    key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
+        ("data.task", d.task, f"data.task={d.task}'s")
+    hint = " (model=gpt takes data.task=lm)" if d.name != "shards" and cfg.model.name == "gpt" else ""
+    shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
+    (x,) = example_input(d)
+    try:
+        with torch.no_grad():
+            out = build_meta_model(cfg.model)(x)
+    except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
+        fail(key, value, f"the model does not take {what} samples ({x.dtype} features of shape "
+             f"{tuple(x.shape[1:])}){hint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if tuple(out.shape) != shape[d.task]:
+        fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {what} "
+             f"{d.task} targets need {shape[d.task]}")

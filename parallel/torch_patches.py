@@ -1,0 +1,90 @@
+"""The patches of PyTorch's private internals the planner needs, in one place, and why (checked on torch 2.13).
+
+The planner (Note [planner] in parallel/planner.py) runs the real training step
+on fake tensors and a fake process group. Everything of the project's that must
+behave differently there is passed in through the run's Runtime (Note
+[runtime]); the three places below are inside PyTorch, with no argument to pass
+a stand-in through, so they are patched for the duration of a plan and
+restored after. Nothing else patches anything at run time.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def static_pipeline_warmup():
+    """Pipeline schedules begin a step with a warm-up exchange between neighbouring stages that reads a
+    received value (`_PipelineSchedule._warmup_p2p`); under a fake process group nothing is received. The
+    planner's stages are given their shapes (Runtime.static_shapes), so every stage is told its shapes are
+    static instead."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warmup(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    saved = schedules._PipelineSchedule._warmup_p2p
+    schedules._PipelineSchedule._warmup_p2p = warmup
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = saved
+
+
+class HeldSend:
+    """A send's work that keeps the sent tensors alive for as long as the schedule keeps the work, as a
+    real process group's work does (the fake one's holds nothing, so sent activations and gradients
+    would be freed at once: an interleaved schedule keeps its sends until the end of the step)."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+@contextlib.contextmanager
+def sends_held_by_their_works():
+    """See HeldSend: the schedules' point-to-point batches (`schedules._batch_p2p`) return works that hold
+    their sent tensors."""
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+
+    def held(p2p_ops, desc=None):
+        sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return [HeldSend(w, sent) for w in batch(p2p_ops, desc)]
+
+    schedules._batch_p2p = held
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch
+
+
+@contextlib.contextmanager
+def meshes_outside_fake():
+    """Device meshes made while building (FSDP over tensor-parallel parameters joins two) compute their
+    coordinates with tensor ops on real values: `DeviceMesh.__init__` runs outside the fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init

@@ -1,0 +1,115 @@
+"""The configuration, composed once: typed, resolved (derived values filled in) and validated, before any
+worker starts. Workers receive it resolved and do not resolve it again.
+
+Each concern checks its own settings beside its code; this module only calls
+those checks, in the order below, and stops at the first broken rule with a
+ConfigError naming the key, the value, the rule and the options.
+"""
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from parallel.checkpoint import check_resume
+from parallel.config import Config, check_optim, check_trainer, fail, pipelined, positive, tensor_parallel
+from parallel.data import check_data
+from parallel.data.shards import read_hints
+from parallel.dims import ParallelDims
+from parallel.memory.budget import check_memory
+from parallel.models.build import build_meta_model, check_model, check_model_takes_data
+from parallel.offload.check import check_offload_disk
+from parallel.strategies import check_strategy, schedules
+from parallel.strategies.pipeline import check_pipeline, check_split
+from parallel.strategies.tensor import check_plan, check_tensor_keys
+
+
+def to_config(cfg: DictConfig | dict) -> Config:
+    """Turn a composed DictConfig (or its plain-dict form) into typed dataclasses.
+
+    With data=shards the task and sizes come from the dataset's manifest, set
+    before interpolations resolve (a model's `${data.features}` reads them).
+    """
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    if cfg.data.name == "shards":
+        if not cfg.data.path:
+            fail("data.path", cfg.data.path, "data=shards needs the dataset directory",
+                 "a directory written by launch/make_shards.py")
+        for key, value in read_hints(cfg.data.path).items():
+            cfg.data[key] = value
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def resolve(cfg: Config, world_size: int) -> Config:
+    """Fill the values left to be derived (degrees, schedule spelling, stages per rank, microbatches), in
+    place. Idempotent: a resolved config resolves to itself."""
+    s = cfg.strategy
+    dims = ParallelDims.from_config(s, world_size)
+    s.dp, s.pp, s.tp = dims.dp, dims.pp, dims.tp
+    if pipelined(s):
+        name = schedules.canonical(s.schedule)
+        if name is None:
+            fail("strategy.schedule", s.schedule, "unknown schedule (case-insensitive)", list(schedules.SCHEDULES))
+        s.schedule = name
+        if s.stages_per_rank is None:
+            s.stages_per_rank = schedules.default_stages_per_rank(name)
+        positive("strategy.stages_per_rank", s.stages_per_rank)  # before microbatches are derived from it
+        if s.microbatches is None:
+            s.microbatches = 2 * s.pp * s.stages_per_rank
+    return cfg
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check every rule; raise ConfigError on the first broken one. Also resolves `cfg` (see `resolve`).
+
+    Args:
+        cfg: the typed configuration.
+        world_size: the number of workers the run will have.
+    """
+    # 1. Each group's own values: cheap, and nothing below is meaningful without them.
+    check_trainer(cfg.trainer)
+    if cfg.nproc is not None:
+        positive("nproc", cfg.nproc)
+    check_optim(cfg.optim)
+    check_data(cfg.data)
+    check_memory(cfg.memory)
+    s = cfg.strategy
+    if s.name == "auto":  # each candidate is validated as it is tried (parallel.auto)
+        check_model(cfg.model)
+        return
+    # 2. The strategy's keys, by name first (a plain strategy may reject a degree while resolving), then the
+    #    degrees derived from the world size, then the keys that depend on them.
+    check_strategy(cfg, world_size)
+    resolve(cfg, world_size)
+    check_tensor_keys(s, tensor_parallel(s))
+    per_rank = _check_batch(cfg)
+    if pipelined(s):
+        check_pipeline(cfg, per_rank)
+    # 3. The model, then what needs it: the offload disk's room, a checkpoint to resume, the tensor plan,
+    #    the pipeline split, and the data's shapes through the model.
+    check_model(cfg.model)
+    if s.name == "offload" and s.path is not None:
+        check_offload_disk(cfg, build_meta_model(cfg.model))
+    if cfg.trainer.resume is not None:
+        check_resume(cfg)
+    if tensor_parallel(s):
+        check_plan(build_meta_model(cfg.model), cfg)
+    if pipelined(s):
+        check_split(build_meta_model(cfg.model), cfg)
+    if cfg.data.name == "shards" or not cfg.model._target_:
+        # A user's model may do what meta tensors cannot (read a value): only the shards' own shapes ask it to.
+        check_model_takes_data(cfg)
+
+
+def _check_batch(cfg: Config) -> int:
+    """The global batch divides over dp ranks and grad_accum micro-steps; returns the per-rank batch."""
+    t, s = cfg.trainer, cfg.strategy
+    per_rank = t.batch_size // s.dp
+    if t.batch_size % s.dp:
+        fail("trainer.batch_size", t.batch_size, f"the global batch must divide by the data-parallel degree {s.dp}",
+             f"a multiple of {s.dp}")
+    if per_rank % t.grad_accum:
+        fail("trainer.grad_accum", t.grad_accum,
+             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
+             [d for d in range(1, per_rank + 1) if per_rank % d == 0])
+    return per_rank
+
