@@ -232,17 +232,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
             quiet.setLevel(level)
         if cand.dropped is None:
             cand.peak = max(p.total for p in plans)
-            s = c.strategy
-            worst = max(plans, key=lambda p: p.flops / rate + p.ops * per_op)
-            compute = (worst.flops / rate + worst.ops * per_op) * share
-            bubble = 0.0
-            if pipelined(s):  # the idle share b of the step: idle time = compute x b / (1 - b)
-                idle = analytic_bubble(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
-                bubble = compute * idle / (1 - idle)
-            comm = max(p.comm_bytes for p in plans) / bandwidth
-            transfers = max(p.io_bytes for p in plans) / disk if disk and s.name == "offload" else 0.0
-            cand.times = {"compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,
-                          "step": compute + bubble + comm + transfers}
+            cand.times = _step_times(c, plans, rate, per_op, share, bandwidth, disk)
             if cand.peak > budget:
                 cand.dropped = f"peak {cand.peak / 1e6:.2f} MB > budget {budget / 1e6:.2f} MB"
                 again = recomputed(cand)
@@ -264,6 +254,24 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
     chosen.run_dir = cfg.run_dir
     validate(chosen, world)
     return chosen, sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
+
+
+def _step_times(cfg: Config, plans: list, rate: float, per_op: float, share: float, bandwidth: float,
+                disk: float | None) -> dict:
+    """The cost model's terms for one planned candidate (Note [auto]), in seconds: its slowest rank's compute
+    (FLOPs at `rate`, ops at `per_op`, times `share` when workers share cores), its pipeline bubble,
+    communication and offload transfers."""
+    s = cfg.strategy
+    worst = max(plans, key=lambda p: p.flops / rate + p.ops * per_op)
+    compute = (worst.flops / rate + worst.ops * per_op) * share
+    bubble = 0.0
+    if pipelined(s):  # the idle share b of the step: idle time = compute x b / (1 - b)
+        idle = analytic_bubble(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
+        bubble = compute * idle / (1 - idle)
+    comm = max(p.comm_bytes for p in plans) / bandwidth
+    transfers = max(p.io_bytes for p in plans) / disk if disk and s.name == "offload" else 0.0
+    return {"compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,
+            "step": compute + bubble + comm + transfers}
 
 
 def table(found: list[Candidate], budget_note: str = "") -> str:

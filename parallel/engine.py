@@ -27,6 +27,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from parallel.config import Config
 from parallel.optim import adamw_state, clip_grad_norm
@@ -102,8 +103,6 @@ class Engine:
 
     def full_state_dict(self) -> dict:
         """The unpartitioned state dict, gathered on rank 0 (CPU tensors; {} elsewhere)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 

@@ -17,6 +17,7 @@ from typing import Callable, Dict, NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -148,8 +149,6 @@ def _plain_meta_parameters(model: nn.Module) -> None:
     `to_empty` can only move by swapping tensors, and FakeTensorMode's own weak
     references forbid that swap. Plain meta parameters move without one.
     """
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():

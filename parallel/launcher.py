@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallel.config import ConfigError, from_dict
 from parallel.dims import device_for_rank
@@ -46,7 +49,7 @@ def in_submitit_job() -> bool:
     """True in a task of a job with several tasks, started by Hydra's submitit launcher."""
     if os.environ.get("SUBMITIT_EXECUTOR") not in ("slurm", "local"):
         return False
-    from submitit import JobEnvironment
+    from submitit import JobEnvironment  # an optional dependency (the slurm extra)
 
     return JobEnvironment().num_tasks > 1
 
@@ -54,7 +57,7 @@ def in_submitit_job() -> bool:
 def join_submitit_job() -> None:
     """Set torch.distributed's variables from the job's: rank = task, world = all tasks,
     the rendezvous on the job's first node."""
-    from submitit.helpers import TorchDistributedEnvironment
+    from submitit.helpers import TorchDistributedEnvironment  # an optional dependency (the slurm extra)
 
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
@@ -70,12 +73,19 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
         WorkerFailed: naming the first failed rank and its error.
         Interrupted: Ctrl-C or a signal stopped the workers.
     """
-    if nproc == 1:
-        _work(cfg_dict, run_dir, single_process=True)
-        return
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    try:
+        if nproc == 1:
+            _work(cfg_dict, run_dir, single_process=True)
+        else:
+            _start_workers(cfg_dict, run_dir, nproc)
+    except (KeyboardInterrupt, SignalException) as e:  # every worker has stopped
+        name = getattr(getattr(e, "sigval", None), "name", "SIGINT")
+        raise Interrupted(f"interrupted ({name}): every worker stopped; checkpoints complete so far are in "
+                          f"{run_dir}") from None
 
+
+def _start_workers(cfg_dict: dict, run_dir: str, nproc: int) -> None:
+    """`nproc` worker processes through PyTorch's elastic launch API (torchrun's own), waited for."""
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         # As torchrun --standalone does: a private rendezvous on a free local port.
@@ -89,10 +99,6 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
     agent_log.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint=worker)(cfg_dict, run_dir)
-    except (KeyboardInterrupt, SignalException) as e:  # the agent has stopped every worker
-        name = getattr(getattr(e, "sigval", None), "name", "SIGINT")
-        raise Interrupted(f"interrupted ({name}): every worker stopped; checkpoints complete so far are in "
-                          f"{run_dir}") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise WorkerFailed(rank, _failure_message(failure), _failure_traceback(failure)) from None
@@ -170,8 +176,6 @@ def report_worker_error(e: Exception) -> int:
     worker's @record error file), so the worker prints one line; without an
     error file it prints the traceback too.
     """
-    import traceback
-
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         traceback.print_exception(e)
     print(f"error: worker rank {os.environ.get('RANK', '?')} failed: {type(e).__name__}: {_first_line(e)}",

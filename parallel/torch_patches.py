@@ -13,6 +13,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import schedules
+from torch.distributed.pipelining._utils import InferenceMode
 
 
 @contextlib.contextmanager
@@ -21,9 +25,6 @@ def static_pipeline_warmup():
     received value (`_PipelineSchedule._warmup_p2p`); under a fake process group nothing is received. The
     planner's stages are given their shapes (Runtime.static_shapes), so every stage is told its shapes are
     static instead."""
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining._utils import InferenceMode
-
     def warmup(self, stages, has_backward, p2p_done):
         for stage in stages:
             stage._inference_mode = InferenceMode.STATIC
@@ -55,8 +56,6 @@ class HeldSend:
 def sends_held_by_their_works():
     """See HeldSend: the schedules' point-to-point batches (`schedules._batch_p2p`) return works that hold
     their sent tensors."""
-    from torch.distributed.pipelining import schedules
-
     batch = schedules._batch_p2p
 
     def held(p2p_ops, desc=None):
@@ -74,9 +73,6 @@ def sends_held_by_their_works():
 def meshes_outside_fake():
     """Device meshes made while building (FSDP over tensor-parallel parameters joins two) compute their
     coordinates with tensor ops on real values: `DeviceMesh.__init__` runs outside the fake mode."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
     init = DeviceMesh.__init__
 
     def real_init(self, *args, **kwargs):

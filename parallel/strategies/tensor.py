@@ -167,6 +167,17 @@ def infer_plan(model: nn.Module, example: tuple) -> dict[str, str]:
     finally:
         for h in handles:
             h.remove()
+    plan = _pairs(events, shapes)
+    if not plan:
+        raise ConfigError(
+            f"strategy.tp_plan=[]: {type(model).__name__} has no tensor-parallel plan and none could be inferred "
+            f"(no Linear feeds the next through elementwise ops only); give one, e.g. "
+            f"strategy.tp_plan=[layers.*.up:colwise,layers.*.down:rowwise] (styles: {sorted(STYLES)})")
+    return plan
+
+
+def _pairs(events: list, shapes: dict[str, tuple]) -> dict[str, str]:
+    """colwise -> rowwise pairs from the recorded forward (see `infer_plan`)."""
     calls: dict[str, int] = {}
     for kind, what in events:
         if kind == "start":
@@ -190,11 +201,6 @@ def infer_plan(model: nn.Module, example: tuple) -> dict[str, str]:
                     and calls.get(a) == 1 and calls.get(b) == 1 and shapes[a + ":out"] == shapes[b + ":in"]):
                 plan[a], plan[b] = "colwise", "rowwise"
             last_end, derived = None, None
-    if not plan:
-        raise ConfigError(
-            f"strategy.tp_plan=[]: {type(model).__name__} has no tensor-parallel plan and none could be inferred "
-            f"(no Linear feeds the next through elementwise ops only); give one, e.g. "
-            f"strategy.tp_plan=[layers.*.up:colwise,layers.*.down:rowwise] (styles: {sorted(STYLES)})")
     return plan
 
 

@@ -1,0 +1,149 @@
+"""A shard dataset on disk: its format, its manifest, and the checks run before training.
+
+# Note [shard format]
+A dataset is a directory:
+
+    manifest.json      format, fields (name, dtype, shape), record size, sample
+                       count, task hints, and the index: one row per shard
+                       (file, first sample, count, bytes, crc32)
+    shard-00000.bin    fixed-size records, back to back, no header
+    shard-00001.bin    ...
+
+Every sample has the same fields of the same shapes, so a record is one numpy
+structured dtype and sample i of a shard starts at byte i x record size:
+reading any sample is one positioned read (`os.preadv`, which releases the GIL,
+so reader threads overlap the training step), runs of neighbouring samples are
+one read, and there is nothing to decode. That is why this format and not tar
+shards (WebDataset): those are read front to back, one member at a time, and
+reading a given sample means scanning its shard; here each data-parallel rank
+reads only its own samples, in any order the shuffle asks for. The manifest is
+written last and atomically, so a directory without one is an unfinished
+write; checksums (CRC-32 per shard) catch corrupt files, sizes truncated ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parallel.config import ConfigError, DataConfig, fail, positive
+
+FORMAT = "parallel-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+DEFAULT_SHARD_BYTES = 256 << 20
+
+
+class ShardError(ValueError):
+    """A shard that cannot be read as its manifest says (missing, truncated, corrupt); names the file."""
+
+
+class Manifest:
+    """A dataset directory's manifest.json (Note [shard format])."""
+
+    def __init__(self, root: Path, record: dict[str, Any]):
+        self.root, self.record = root, record
+        self.fields: list[dict] = record["fields"]
+        self.dtype = np.dtype([(f["name"], np.dtype(f["dtype"]), tuple(f["shape"])) for f in self.fields])
+        self.count: int = record["count"]
+        self.shards: list[dict] = record["shards"]
+        self.starts = np.cumsum([0] + [s["count"] for s in self.shards])
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Manifest":
+        """Read and check the manifest of `path`; ConfigError naming `data.path` when there is none."""
+        root = Path(path)
+        if not root.is_dir():
+            raise ConfigError(f"data.path={str(path)!r}: no such directory (write one with launch/make_shards.py)")
+        file = root / MANIFEST
+        if not file.is_file():
+            raise ConfigError(f"data.path={str(path)!r}: holds no {MANIFEST} (not a dataset written by "
+                              f"launch/make_shards.py, or its writing did not finish)")
+        try:
+            record = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"data.path={str(path)!r}: {MANIFEST} is not valid JSON ({e})") from None
+        if record.get("format") != FORMAT or record.get("version") != VERSION:
+            raise ConfigError(f"data.path={str(path)!r}: {MANIFEST} is not a {FORMAT} v{VERSION} manifest")
+        m = cls(root, record)
+        if m.count == 0:
+            raise ConfigError(f"data.path={str(path)!r}: the dataset is empty (0 samples)")
+        if m.dtype.itemsize != record["record_bytes"]:
+            raise ConfigError(f"data.path={str(path)!r}: record size {record['record_bytes']} does not match "
+                              f"its fields ({m.dtype.itemsize} bytes)")
+        return m
+
+    def field(self, name: str) -> dict:
+        for f in self.fields:
+            if f["name"] == name:
+                return f
+        raise ConfigError(f"data.path={str(self.root)!r}: samples have no field {name!r} "
+                          f"(they have {[f['name'] for f in self.fields]}); training reads "
+                          f"'features' and 'targets'")
+
+    def check_files(self, checksums: bool, progress=None) -> None:
+        """Every shard present with its size (and, with `checksums`, its CRC-32). Raises ShardError."""
+        for i, s in enumerate(self.shards):
+            path = self.root / s["file"]
+            if not path.is_file():
+                raise ShardError(f"{path}: shard missing")
+            size = path.stat().st_size
+            if size != s["bytes"]:
+                raise ShardError(f"{path}: {size} bytes where the manifest says {s['bytes']} "
+                                 f"({'truncated' if size < s['bytes'] else 'longer than written'})")
+            if checksums:
+                crc = _crc_file(path)
+                if crc != s["crc32"]:
+                    raise ShardError(f"{path}: corrupt (CRC-32 {crc:08x}, the manifest says {s['crc32']:08x})")
+            if progress is not None:
+                progress(i + 1, len(self.shards))
+
+    def locate(self, order: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions `q` in the stream that visits shards in `order` -> (shard index, row)."""
+        counts = np.array([self.shards[i]["count"] for i in order])
+        ends = np.cumsum(counts)
+        k = np.searchsorted(ends, q, side="right")
+        rows = q - (ends[k] - counts[k])
+        return order[k], rows
+
+
+def read_hints(path: str | os.PathLike) -> dict:
+    """The task and sizes the dataset's manifest sets (`data.task`, `data.features`, ...)."""
+    m = Manifest.load(path)
+    m.field("features"), m.field("targets")
+    hints = m.record.get("hints") or {}
+    if not hints:
+        fail("data.path", str(path), "the manifest names no task for its features and targets")
+    return hints
+
+
+def check_shards(d: DataConfig) -> None:
+    """data=shards' settings, and the dataset's files (sizes, or checksums with data.verify=checksum)."""
+    positive("data.shuffle_buffer", d.shuffle_buffer, allow_zero=True)
+    positive("data.prefetch", d.prefetch, allow_zero=True)
+    positive("data.workers", d.workers)
+    if d.verify not in ("size", "checksum"):
+        fail("data.verify", d.verify, "unknown check", ["size", "checksum"])
+    m = Manifest.load(d.path)
+    x = m.field("features")
+    if d.task != "lm" and len(x["shape"]) != 1:
+        fail("data.path", d.path, f"features of shape {tuple(x['shape'])}: the built-in tasks take one "
+             f"vector of features per sample", "shards written with features of shape (F,)")
+    try:
+        m.check_files(checksums=d.verify == "checksum")
+    except ShardError as e:
+        fail("data.path", d.path, str(e))
+
+
+def _crc_file(path: Path, chunk: int = 8 << 20) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return crc
+            crc = zlib.crc32(block, crc)
