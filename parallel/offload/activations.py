@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-from parallel.offload.tiers import Counters, _bytes, finish
+from parallel.offload.tiers import Counters, aligned, finish, raw_bytes
 
 SMALL = 4096  # bytes; smaller saved tensors stay where they are (moving them costs more than it saves)
-ALIGN = 64
 
 
 class Handle:
@@ -89,7 +88,7 @@ class ActivationStore:
             seen[0].packs += 1
             return seen[0]
         h = Handle(self.block, t.shape, t.dtype, self.tail, nbytes)
-        self.tail += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        self.tail += aligned(nbytes)
         self.seen[key] = (h, weakref.ref(t))
         self.by_block.setdefault(self.block, []).append(h)
         src = t.detach().contiguous()
@@ -135,7 +134,7 @@ class ActivationStore:
         cpu = src if src.device.type == "cpu" else src.cpu()
 
         def run():
-            os.pwrite(self.fd, _bytes(cpu), h.offset)
+            os.pwrite(self.fd, raw_bytes(cpu), h.offset)
             self.counters.add(written=h.nbytes)
         return self.pool.submit(run)
 
@@ -151,7 +150,7 @@ class ActivationStore:
         dst = h.tensor if self.device.type == "cpu" else torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
 
         def run():
-            got = os.preadv(self.fd, [_bytes(dst)], h.offset)
+            got = os.preadv(self.fd, [raw_bytes(dst)], h.offset)
             if got != h.nbytes:
                 raise OSError(f"{self.file_path}: read {got} of {h.nbytes} bytes of a saved activation")
             self.counters.add(read=h.nbytes)

@@ -64,13 +64,13 @@ from parallel.metrics import log
 from parallel.offload.activations import ActivationStore
 from parallel.offload.adamw import BlockAdamW, OffloadOptimizer
 from parallel.offload.hooks import BlockHooks
-from parallel.offload.layout import ALIGN, Layout
+from parallel.offload.layout import Layout
 from parallel.offload.lookahead import THREAD, FrozenLookahead, frozen_prefix, splits_forward
 from parallel.offload.pool import BufferPool
 from parallel.offload.saved import SavedTensors
 from parallel.offload.state import OffloadState
 from parallel.offload.stream import WeightStream
-from parallel.offload.tiers import Counters, DiskTier, HostTier, check_disk, effective
+from parallel.offload.tiers import ALIGN, Counters, DiskTier, HostTier, check_disk, effective
 from parallel.runtime import Runtime
 
 

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from parallel.offload.pool import BufferPool
-
-ALIGN = 64  # bytes; every slot starts at a multiple of it, so each view of a buffer is aligned
+from parallel.offload.tiers import ALIGN, aligned
 
 
 @dataclass
@@ -117,7 +116,7 @@ class Layout:
                 shape, dtype = self.shapes[p]
                 nbytes = shape.numel() * dtype.itemsize
                 slots.append(Slot(p, self.fqns[p], shape, dtype, offset, nbytes))
-                offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+                offset += aligned(nbytes)
             blocks.append(Block(i, name, m, slots, max(offset, ALIGN)))
         return blocks
 

@@ -25,6 +25,12 @@ import torch
 from parallel.units import human_bytes
 
 TIERS = ("device", "cpu", "disk", "auto")
+ALIGN = 64  # bytes; every slot of a flat buffer starts at a multiple of it, so each view of a buffer is aligned
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of ALIGN."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 def below(device: torch.device) -> str:
@@ -71,7 +77,7 @@ class Counters:
         return out
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
@@ -101,7 +107,7 @@ class DiskTier:
         """Copy the bytes of `src` (contiguous, CPU) to the file of `key`."""
         def run():
             with open(self._file(key), "wb", buffering=0) as f:
-                f.write(_bytes(src))
+                f.write(raw_bytes(src))
             self.counters.add(written=src.numel() * src.element_size())
         return self.pool.submit(run)
 
@@ -110,7 +116,7 @@ class DiskTier:
         def run():
             n = dst.numel() * dst.element_size()
             with open(self._file(key), "rb", buffering=0) as f:
-                got = f.readinto(_bytes(dst))
+                got = f.readinto(raw_bytes(dst))
             if got != n:
                 raise OSError(f"{self._file(key)}: read {got} of {n} bytes (the file was truncated)")
             self.counters.add(read=n)
