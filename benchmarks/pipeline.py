@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.pp_loop import stage_times  # noqa: E402
-from parallel.strategies import partition, schedules  # noqa: E402
+from parallel.strategies.pipeline import partition, schedules  # noqa: E402
 
 P = 2
 

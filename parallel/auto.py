@@ -25,9 +25,9 @@ a predicted step time:
                here beyond its FLOPs; times W / cores when the workers
                outnumber the cores (they share them)
     bubble     a pipeline's compute x b / (1 - b), b its schedule's idle share
-               (parallel.strategies.schedules.analytic_bubble): (p - 1) / (v*m)
-               for GPipe, 1F1B and the interleaved ones (v stages per rank, m
-               microbatches, p pipeline ranks)
+               (parallel.strategies.pipeline.schedules.analytic_bubble):
+               (p - 1) / (v*m) for GPipe, 1F1B and the interleaved ones (v
+               stages per rank, m microbatches, p pipeline ranks)
     comm       bytes handed to collectives and sends in the step (an
                all-reduce counted twice; DDP's bucket all-reduce added) / B,
                the loopback bandwidth measured here (gloo on one machine)
@@ -55,7 +55,7 @@ import torch
 from parallel.config import Config, ConfigError, StrategyConfig, pipelined
 from parallel.memory.budget import budget_bytes
 from parallel.planner import Flops, plan
-from parallel.strategies.schedules import analytic_bubble
+from parallel.strategies.pipeline.schedules import analytic_bubble
 from parallel.validate import validate
 
 

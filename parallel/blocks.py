@@ -1,5 +1,5 @@
 """Which modules of a model are its blocks: the units a pipeline stage begins at, offload streams, and
-recomputation checkpoints (Note [pipeline partitioning] in parallel/strategies/partition.py)."""
+recomputation checkpoints (Note [pipeline partitioning] in parallel/strategies/pipeline/partition.py)."""
 from __future__ import annotations
 
 import torch

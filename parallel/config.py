@@ -52,7 +52,7 @@ class StrategyConfig:
     zero: int = 0
     # Pipeline degree (ranks in one pipeline); None derives it from the world size.
     pp: Optional[int] = None
-    # PyTorch schedule name, case-insensitive (see parallel.strategies.schedules).
+    # PyTorch schedule name, case-insensitive (see parallel.strategies.pipeline.schedules).
     schedule: str = "1F1B"
     # Microbatches per step; None: 2 x the number of stages.
     microbatches: Optional[int] = None

@@ -17,8 +17,8 @@ from parallel.dims import ParallelDims
 from parallel.memory.budget import check_memory
 from parallel.models.build import build_meta_model, check_model, check_model_takes_data
 from parallel.offload.check import check_offload_disk
-from parallel.strategies import check_strategy, schedules
-from parallel.strategies.pipeline import check_pipeline, check_split
+from parallel.strategies import check_strategy
+from parallel.strategies.pipeline import check_pipeline, check_split, schedules
 from parallel.strategies.tensor import check_plan, check_tensor_keys
 
 

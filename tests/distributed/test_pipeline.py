@@ -1,7 +1,7 @@
 """strategy=pipeline under every schedule trains to the same numbers as strategy=single."""
 import pytest
 
-from parallel.strategies.schedules import SCHEDULES
+from parallel.strategies.pipeline.schedules import SCHEDULES
 from tests import cli
 
 MLP = ["model.args.depth=2"]  # inp, 2 blocks, head: enough for 4 stages on 2 ranks

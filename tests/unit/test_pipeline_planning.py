@@ -4,7 +4,9 @@ import torch
 
 from parallel.blocks import candidates
 from parallel.config import Config, ConfigError
-from parallel.strategies import partition, schedules
+from parallel.models.build import build_meta_model
+from parallel.runtime import Runtime
+from parallel.strategies.pipeline import partition, plan_split, schedules
 from parallel.validate import validate
 from tests.user_model import Heavy
 
@@ -123,10 +125,6 @@ def test_split_where_integers_cross_is_refused_and_the_balancer_avoids_it():
     cfg.model.args = {"vocab_size": 64, "seq_len": 32, "layers": 1}
     with pytest.raises(ConfigError, match=r"strategy.split_points.*integer tensors"):
         validate(cfg, 2)
-    from parallel.models.build import build_meta_model
-    from parallel.runtime import Runtime
-    from parallel.strategies.pipeline import plan_split
-
     cfg.strategy.split_points = []
     split = plan_split(build_meta_model(cfg.model), cfg, 1, Runtime(time_blocks=False))
     assert split.starts[1] != "pos"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx, nn
 from torch.export.unflatten import InterpreterModule
 
@@ -88,6 +89,22 @@ def _rewrite(gm: fx.GraphModule, live_in: list[Value], takes: list[Value], name:
     g.set_codegen(fx.graph.CodeGen())
     g.lint()
     gm.recompile()
+
+
+def stage_shapes(stages: list[nn.Module], example: tuple) -> list[tuple[tuple, tuple]]:
+    """(inputs, outputs) of every stage of a chain for one microbatch, as meta tensors.
+
+    In a chain each stage's outputs are exactly the next one's inputs, so one
+    pass over the example finds every boundary.
+    """
+    shapes, values = [], tuple(example)
+    with torch.no_grad():
+        for gm in stages:  # still on the meta device: nothing is computed
+            out = gm(*values)
+            out = out if isinstance(out, tuple) else (out,)
+            shapes.append((values, out))
+            values = out
+    return shapes
 
 
 def compiled(stage: nn.Module) -> None:

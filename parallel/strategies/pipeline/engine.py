@@ -1,0 +1,181 @@
+"""The pipeline's engine (Note [engine contract] in parallel/engine.py): one step through PyTorch's schedule.
+
+`build_pipeline` is the strategy: split (split.py) -> this rank's stages
+(stages.py) -> the engine. The engine runs the schedule over a batch, sums the
+gradients of weights tied across stages, takes the gradient norm over every
+stage, gathers the unpartitioned weights, and reports the pipeline's metrics
+from the compute time its stages record (stages.TimedStage).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from parallel.config import Config
+from parallel.engine import Engine
+from parallel.init import InitPlan
+from parallel.loss import loss_fn
+from parallel.metrics import gather_floats, log
+from parallel.optim import clip_grads
+from parallel.runtime import Runtime
+from parallel.strategies.pipeline import schedules
+from parallel.strategies.pipeline.split import Split, format_split, microbatches, plan_split
+from parallel.strategies.pipeline.stages import ComputeTime, TiedCopy, TimedStage, build_stages
+from parallel.tensors import local
+
+
+def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan,
+                   transform=None, shape_transform=None) -> "PipelineEngine":
+    """Split `model` (on meta) into stages over the mesh's pp dimension; return this rank's engine.
+
+    Args:
+        transform: `(stage, blocks) -> None`, applied to each of this rank's
+            stages (on meta, the model's own block modules swapped in) before
+            it is materialized: how strategy=hybrid adds tensor and data
+            parallelism. None keeps the traced stages as they are.
+        shape_transform: `stage -> None`, the part of `transform` that changes
+            the shapes crossing stages (tensor parallelism: a stage may end in
+            a sharded layer). Used only when the shapes are given up front
+            (`runtime.static_shapes`), where every stage is shaped on a copy.
+    """
+    split = plan_split(model, cfg, mesh["dp"].size(), runtime)
+    log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
+             format_split(split))
+    compute_time = ComputeTime()
+    stages, modules, tied = build_stages(split, mesh, cfg, runtime, plan, compute_time,
+                                         model if transform else None, transform, shape_transform)
+    groups: dict[str, list[str]] = {}
+    for name, entry in plan.items():
+        groups.setdefault(entry.canonical, []).append(name)
+    tied_names = [names for names in groups.values() if len(names) > 1]
+    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss_fn(cfg.data.task), tied_names,
+                          compute_time)
+
+
+class PipelineEngine(Engine):
+    """One training step through a pipeline schedule, and the pipeline's own metrics.
+
+    Args:
+        stages: this rank's stages, each timing its compute into `compute_time`.
+        modules: their modules (what the optimizer sees).
+        tied: this rank's copies of weights tied across stages.
+        tied_names: every group of parameter names that share one weight.
+    """
+
+    def __init__(self, cfg: Config, mesh: DeviceMesh, split: Split, stages: list[TimedStage], modules,
+                 tied: list[TiedCopy], loss_fn, tied_names: list[list[str]], compute_time: ComputeTime):
+        s = cfg.strategy
+        self.tied_names = tied_names
+        self.cfg, self.mesh, self.split, self.stages, self.tied = cfg, mesh, split, stages, tied
+        self.model = nn.ModuleList(modules)  # what the optimizer and the memory watch see
+        self.m = microbatches(cfg)
+        cls = schedules.schedule_class(s.schedule)
+        multi = schedules.is_multi_stage(s.schedule)
+        self.schedule = cls(stages if multi else stages[0], n_microbatches=self.m, loss_fn=loss_fn,
+                            scale_grads=True)
+        self.has_first = any(st.is_first for st in stages)
+        self.has_last = any(st.is_last for st in stages)
+        self.holds_loss = self.has_last
+        self.loss_group = mesh["dp"].get_group()
+        self.pp_group = mesh["pp"].get_group()
+        self.compute_time = compute_time
+        self.step_time = 0.0
+        self.window: list[tuple[float, float, dict]] = []  # (compute, schedule time, compute per stage) per step
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Run the schedule over the batch; returns this rank's mean microbatch loss (0 off the last stage)."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        self.compute_time.reset()
+        t0 = time.perf_counter()
+        self.schedule.step(*args, target=y if self.has_last else None, losses=losses, return_outputs=False)
+        self.step_time = time.perf_counter() - t0
+        self.window.append((self.compute_time.total, self.step_time, dict(self.compute_time.per_stage)))
+        self._sum_tied_grads()
+        if not losses:
+            return torch.zeros((), device=x.device)
+        return torch.stack([l.detach().float() for l in losses]).mean()
+
+    def _sum_tied_grads(self) -> None:
+        for t in self.tied:
+            # Every copy is placed alike (same tensor and data parallel layout at
+            # the same mesh position), so summing the local pieces sums the whole.
+            grads = [local(p.grad) for p in t.params if p.grad is not None]
+            if not grads:
+                continue
+            total = torch.stack(grads).sum(0)
+            if t.group is not None:
+                dist.all_reduce(total, group=t.group)
+            for g in grads:
+                g.copy_(total)
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The stages' receive buffers (activations and their gradients, one per microbatch): made at the
+        first step and kept, so the memory watch counts them from the start of each later step."""
+        out = []
+        for st in self.stages:
+            for infos in list(st.args_recv_info.values()) + list(st.grad_recv_info.values()):
+                out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+        return out
+
+    @torch.no_grad()
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Global grad norm over all stages (a tied weight counted once), clipped when max_norm > 0."""
+        skip = {id(p) for t in self.tied for i, p in enumerate(t.params) if not (t.owner and i == 0)}
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in skip]
+        return clip_grads(grads, max_norm, counted=counted, sum_group=self.pp_group)
+
+    def state_modules(self) -> list[nn.Module]:
+        """This rank's stages: their state dicts hold the original names (parallel.checkpoint)."""
+        return list(self.model)
+
+    def full_state_dict(self) -> dict:
+        """Every stage's tensors under their original names, gathered on global rank 0.
+
+        A weight tied across stages appears under each of its names, as in the
+        unpartitioned model's state dict.
+        """
+        # A DTensor (tensor or data parallel piece) is gathered whole over its own mesh first.
+        mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                for m in self.model for k, v in m.state_dict().items()}
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        state = {}
+        for part in parts:
+            state.update(part)
+        for names in self.tied_names:
+            present = [n for n in names if n in state]
+            for n in names:
+                if present and n not in state:
+                    state[n] = state[present[0]]
+        return state
+
+    def metrics(self) -> dict:
+        """Bubble (measured and analytic), stage imbalance; collective over all ranks."""
+        s = self.cfg.strategy
+        # The median step since the last log: the trainer's memory watch slows
+        # the steps it watches (a dispatch per op), and the median ignores them.
+        window = sorted(self.window, key=lambda w: w[1])
+        compute, self.step_time, per_stage_compute = window[len(window) // 2]
+        self.window = []
+        busy = gather_floats([compute, self.step_time])
+        bubbles = [max(0.0, 1 - b / t) if t > 0 else 0.0 for b, t in zip(busy[0::2], busy[1::2])]
+        per_stage = [0.0] * (s.pp * s.stages_per_rank)
+        for idx, t in per_stage_compute.items():
+            per_stage[idx] = t
+        stage_times = gather_floats(per_stage)
+        totals = [sum(stage_times[i::len(per_stage)]) for i in range(len(per_stage))]
+        mean = sum(totals) / len(totals)
+        return {"bubble_measured": sum(bubbles) / len(bubbles), "bubble_measured_per_rank": bubbles,
+                "bubble_analytic": schedules.analytic_bubble(s.schedule, s.pp, s.stages_per_rank, self.m),
+                "stage_imbalance": max(totals) / mean if mean > 0 else 1.0,
+                "schedule_time_s": self.step_time,
+                "stage_time_s_per_stage": totals}

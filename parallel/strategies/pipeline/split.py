@@ -1,0 +1,184 @@
+"""Where the model is cut: stage boundaries chosen (given or balanced) and the forward traced into stages.
+
+Nothing here touches a process group or a device beyond `runtime.agree`: the
+split is planned on the meta device, so the config check (check.py) and the
+planner run the same code as a worker does before it builds its stages.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+
+from parallel.blocks import candidates
+from parallel.config import Config, ConfigError
+from parallel.data import example_input
+from parallel.memory.budget import budget_bytes
+from parallel.runtime import Runtime
+from parallel.strategies.pipeline import partition, schedules
+from parallel.strategies.pipeline.chain import chain, stage_shapes
+
+# Tracing copies torch's own pytree specs (so does copying a traced stage,
+# stages.py), whose deprecated LeafSpec check warns once per process from
+# inside torch; nothing to act on here.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+@dataclass
+class Split:
+    """How the model is cut: stage start blocks, the traced pipe, and one row per stage to print."""
+
+    starts: list[str]
+    pipe: object
+    rows: list[dict] = field(default_factory=list)
+    blocks: list[str] = field(default_factory=list)  # every candidate block, in forward order
+
+
+def microbatches(cfg: Config) -> int:
+    return cfg.strategy.microbatches  # filled by parallel.validate.resolve
+
+
+def example_microbatch(cfg: Config, dp: int) -> tuple:
+    """The positional inputs of one microbatch (meta tensors), as the data source will hand them out."""
+    return example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg))
+
+
+def trace(model: nn.Module, example: tuple, starts: list[str]):
+    """Trace `model` (on meta) and cut it before each name in `starts[1:]`.
+
+    Tracing rearranges the module it is given (tied weights above all), so it
+    works on a copy: the model can be traced again, with other cuts.
+    """
+    try:
+        return pipeline(copy.deepcopy(model), mb_args=example,
+                        split_spec={n: SplitPoint.BEGINNING for n in starts[1:]})
+    except Exception as e:  # torch.export raises many types; all mean "cannot trace"
+        raise untraceable(model, e) from None
+
+
+def untraceable(model: nn.Module, e: Exception) -> ConfigError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return ConfigError(
+        f"strategy=pipeline: the forward of {type(model).__name__} cannot be traced into stages "
+        f"({type(e).__name__}: {first}). Pipelining needs a forward without data-dependent Python "
+        "control flow that takes and returns tensors; rewrite that part (e.g. torch.where instead of "
+        "`if` on a tensor's value), or use strategy=data.")
+
+
+def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime) -> Split:
+    """Choose the stage boundaries (split points given, or balanced) and trace the split.
+
+    Args:
+        model: the unpartitioned model on the meta device.
+        cfg: the run config (strategy.split_points, strategy.balance, memory.budget).
+        dp: the data-parallel degree (it sets the microbatch size).
+        runtime: `time_blocks` (False: weigh blocks by FLOPs only), `agree` (every rank takes rank 0's split).
+    """
+    s = cfg.strategy
+    n_stages = s.pp * s.stages_per_rank
+    example = example_microbatch(cfg, dp)
+    try:
+        names, inputs = candidates(model, example)
+    except Exception as e:  # the forward failed on meta tensors: same cause as a failed trace
+        raise untraceable(model, e) from None
+    if n_stages > len(names):
+        raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
+                          f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)})")
+    # Only rank 0's choice counts (below), so only rank 0 times the blocks: the
+    # others would compete with it for the machine and skew what it measures.
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    timed = runtime.time_blocks and (not distributed or dist.get_rank() == 0)
+    blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if timed else -1)
+    in_flight = microbatches(cfg) if schedules.canonical(s.schedule) == "GPipe" else min(microbatches(cfg), s.pp)
+    allowed = _float_boundaries(model, example, names)
+    if s.split_points:
+        starts_idx = _given_starts(s, names, n_stages, allowed)
+    else:
+        starts_idx = _balanced_starts(cfg, blocks, n_stages, allowed, in_flight)
+    starts_idx = runtime.agree(starts_idx)  # every rank must cut the model the same way: rank 0's choice wins
+    starts = [names[i] for i in starts_idx]
+    pipe = trace(model, example, starts)
+    if pipe.num_stages != n_stages:
+        raise ConfigError(f"strategy.split_points={starts[1:]}: the traced forward gave {pipe.num_stages} "
+                          f"stages, not {n_stages}; pick blocks that the forward calls in order")
+    return Split(starts, pipe, _rows(cfg, blocks, starts_idx, in_flight), names)
+
+
+def _balanced_starts(cfg: Config, blocks: list[partition.BlockCost], n_stages: int, allowed: set[int],
+                     in_flight: int) -> list[int]:
+    """Block indices where stages begin, balanced by strategy.balance within memory.budget."""
+    s = cfg.strategy
+    costs = [partition.cost_of(b, s.balance, in_flight) for b in blocks]
+    mem = [partition.stage_memory([b], in_flight) for b in blocks]
+    budget = budget_bytes(cfg.memory)
+    try:
+        return partition.balance(costs, n_stages, mem, budget, allowed)
+    except ValueError as e:
+        key = "memory.budget" if budget is not None else "strategy.pp"
+        raise ConfigError(f"{key}={cfg.memory.budget if budget is not None else s.pp}: {e}") from None
+
+
+def _given_starts(s, names: list[str], n_stages: int, allowed: set[int]) -> list[int]:
+    """Block indices of strategy.split_points, checked."""
+    missing = [p for p in s.split_points if p not in names]
+    if missing:
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: {missing} name no block where a "
+                          f"stage can begin (valid: {names[1:]})")
+    if len(s.split_points) != n_stages - 1:
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: {n_stages} stages need "
+                          f"{n_stages - 1} split points")
+    idx = sorted(names.index(p) for p in s.split_points)
+    if idx[0] == 0 or len(set(idx)) != len(idx):
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: must be distinct and not the "
+                          f"first block '{names[0]}'")
+    bad = [names[i] for i in idx if i not in allowed]
+    if bad:
+        raise ConfigError(f"strategy.split_points={list(s.split_points)}: at {bad} integer tensors (token ids, "
+                          f"positions) would cross between stages, which PyTorch's stages cannot carry; "
+                          f"cut elsewhere (valid: {[names[i] for i in sorted(allowed)]})")
+    return [0] + idx
+
+
+def _float_boundaries(model: nn.Module, example: tuple, names: list[str]) -> set[int]:
+    """Block indices where a stage may begin: only floating-point tensors cross there.
+
+    PyTorch's stages learn what they receive at the first step by running the
+    forward on placeholder values; integers there (token ids, positions) would
+    be arbitrary and index out of range, and no gradient flows back through
+    them. Found by tracing a split before every block once and reading what
+    flows into each piece (Note [stage chain] in chain.py).
+    """
+    pipe = trace(model, example, names)
+    if pipe.num_stages != len(names):
+        return set(range(1, len(names)))  # some block is not a call site of its own; let the trace decide
+    shapes = stage_shapes(chain(pipe), example)
+    return {j for j in range(1, len(names)) if all(t.dtype.is_floating_point for t in shapes[j][0])}
+
+
+def _rows(cfg: Config, blocks: list[partition.BlockCost], starts_idx: list[int], in_flight: int) -> list[dict]:
+    """One row per stage for the printed partition: its rank, blocks, parameters, predicted time and memory."""
+    s = cfg.strategy
+    ranks = schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank)
+    bounds = starts_idx + [len(blocks)]
+    rows = []
+    for i in range(len(starts_idx)):
+        group = blocks[bounds[i]:bounds[i + 1]]
+        rows.append({"stage": i, "rank": ranks[i], "first": group[0].name, "last": group[-1].name,
+                     "blocks": len(group), "params": sum(b.params for b in group),
+                     "time_ms": 1e3 * sum(b.time_s for b in group),
+                     "memory_bytes": partition.stage_memory(group, in_flight)})
+    return rows
+
+
+def format_split(split: Split) -> str:
+    """The partition as a table: stage, rank, blocks, parameters, predicted time and memory."""
+    lines = [f"{'stage':>5} {'rank':>4}  {'blocks':<28} {'params':>10} {'time ms':>8} {'memory MB':>10}"]
+    for r in split.rows:
+        span = r["first"] if r["blocks"] == 1 else f"{r['first']} .. {r['last']}"
+        lines.append(f"{r['stage']:>5} {r['rank']:>4}  {span:<28} {r['params']:>10,} {r['time_ms']:>8.2f} "
+                     f"{r['memory_bytes'] / 1e6:>10.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""This rank's pipeline stages: built from the traced split, materialized, tied, and timed.
+
+Each stage module is one piece of the chain (Note [stage chain] in chain.py),
+so it keeps the original parameter names. With a `transform` (strategy=hybrid)
+the model's own block modules are swapped back in first, so tensor and data
+parallelism see real layers. Weights tied across stages live as one copy per
+stage (`TiedCopy`); the engine sums their gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from parallel.config import Config, ConfigError
+from parallel.init import InitPlan, materialize_and_init
+from parallel.runtime import Runtime
+from parallel.strategies.pipeline import schedules
+from parallel.strategies.pipeline.chain import chain, compiled, retarget, stage_shapes
+from parallel.strategies.pipeline.split import Split, example_microbatch
+from parallel.strategies.recompute import recompute_blocks, recomputing
+
+
+@dataclass
+class TiedCopy:
+    """This rank's copies of one weight tied across stages, and who else holds it."""
+
+    params: list[nn.Parameter]
+    group: object  # process group of the ranks holding a copy; None when only this rank does
+    owner: bool  # this rank's first copy is the one counted in the gradient norm
+
+
+@dataclass
+class ComputeTime:
+    """Seconds this rank's stages spent computing since the last reset: the engine's busy counters."""
+
+    total: float = 0.0
+    per_stage: dict[int, float] = field(default_factory=dict)  # stage index -> seconds
+
+    def reset(self) -> None:
+        self.total, self.per_stage = 0.0, dict.fromkeys(self.per_stage, 0.0)
+
+    def add(self, stage_index: int, seconds: float) -> None:
+        self.total += seconds
+        self.per_stage[stage_index] += seconds
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that adds the compute time of each chunk it runs to a shared `ComputeTime`.
+
+    The schedule sends and receives outside these three calls, so what is left
+    of a step beyond their time is waiting: the measured bubble. Signatures as
+    in torch 2.13's torch/distributed/pipelining/stage.py.
+    """
+
+    def __init__(self, *args, compute_time: ComputeTime, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compute_time = compute_time
+        compute_time.per_stage.setdefault(self.stage_index, 0.0)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compute_time.add(self.stage_index, time.perf_counter() - t0)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
+                          save_forward_output: bool = True):
+        with self._timed():
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        with self._timed():
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        with self._timed():
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+
+def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan,
+                 compute_time: ComputeTime, model: nn.Module | None = None, transform=None, shape_transform=None):
+    """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
+
+    With `model` and `transform` (strategy=hybrid), each stage gets the model's
+    own block modules in place of the traced ones, then `transform(stage, blocks)`.
+    Every stage times its compute into `compute_time`.
+    """
+    s, device = cfg.strategy, runtime.device
+    pp_mesh = mesh["pp"]
+    pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+    ranks = schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank)
+    mine = [i for i, r in enumerate(ranks) if r == pp_rank]
+    try:
+        chained = chain(split.pipe)  # Note [stage chain]
+    except ValueError as e:
+        raise ConfigError(f"strategy=pipeline: {e}") from None
+    shapes = _static_shapes(split, chained, mesh, cfg, model, shape_transform) if runtime.static_shapes else None
+    stages, modules = [], []
+    for i in mine:
+        mod = chained[i]
+        _drop_unused(mod, split.blocks)
+        compiled(mod)
+        retarget(mod, device)
+        blocks = eager_blocks(mod, model, split.blocks) if transform is not None else None
+        if recomputing(cfg):  # before the transform's FSDP units wrap the blocks
+            called = {n.target for n in mod.graph.nodes if n.op == "call_module"}
+            recompute_blocks(mod, [n for n in split.blocks if n in called])
+        if transform is not None:
+            transform(mod, blocks)
+        materialize_and_init(mod, device, cfg.trainer.seed, plan)
+        # Shapes are found at the first step (PyTorch's runtime inference); only
+        # floating-point tensors cross stages (split._float_boundaries), which that allows.
+        given = {}
+        if shapes:  # floating-point values carry gradients between stages; the shapes come without them
+            marked = [tuple(t.detach().requires_grad_(t.is_floating_point()) for t in ts) for ts in shapes[i]]
+            given = dict(input_args=marked[0], output_args=marked[1])
+        stages.append(TimedStage(mod, i, len(chained), device, group=pp_group, compute_time=compute_time, **given))
+        modules.append(mod)
+    return stages, modules, _tie(split, mesh, modules, ranks, plan)
+
+
+def _static_shapes(split: Split, chained: list[fx.GraphModule], mesh: DeviceMesh, cfg: Config,
+                   model: nn.Module | None, shape_transform) -> list[tuple[tuple, tuple]]:
+    """Every stage's boundary shapes up front (`runtime.static_shapes`: the planner, where no values cross).
+
+    With a `shape_transform` (tensor parallelism) each stage is shaped as its
+    ranks will hold it, on a copy (still on meta), so the chain itself stays untouched.
+    """
+    shaped = chained
+    if shape_transform is not None:
+        shaped = [copy.deepcopy(gm) for gm in chained]
+        for gm in shaped:
+            _drop_unused(gm, split.blocks)
+            eager_blocks(gm, model, split.blocks)
+            shape_transform(gm)
+    return stage_shapes(shaped, example_microbatch(cfg, mesh["dp"].size()))
+
+
+def eager_blocks(stage: fx.GraphModule, model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """Put the model's own modules in place of the traced copies of the blocks `stage` calls.
+
+    The traced stage calls each block as a submodule with the arguments the
+    forward gave it, so the model's module is a drop-in replacement; tensor
+    parallel styles need it (they shard nn.Linear and nn.Embedding, and the
+    model's code reads shapes at run time where the trace fixed them). The
+    blocks are copied together, so weights shared between them stay shared.
+    Returns the swapped-in blocks.
+    """
+    called = {n.target for n in stage.graph.nodes if n.op == "call_module"}
+    held = [n for n in names if n in called]
+    originals = copy.deepcopy(nn.ModuleList(model.get_submodule(n) for n in held))
+    for name, original in zip(held, originals):
+        parent, _, leaf = name.rpartition(".")
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, original)
+    return list(originals)
+
+
+def _drop_unused(stage: fx.GraphModule, names: list[str]) -> None:
+    """Remove blocks that a traced stage holds but never uses.
+
+    The trace leaves a copy of a weight tied across stages (an output head tied
+    to the embedding) in the first stage as well, under the head's name; that
+    copy would be materialized, counted and saved without ever being trained.
+    """
+    used = {n.target for n in stage.graph.nodes if n.op in ("call_module", "get_attr")}
+    for name in names:
+        if any(u == name or u.startswith(name + ".") for u in used):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        try:
+            holder = stage.get_submodule(parent) if parent else stage
+        except AttributeError:
+            continue
+        if leaf in holder._modules:
+            delattr(holder, leaf)
+
+
+def _tie(split: Split, mesh: DeviceMesh, modules: list[nn.Module], ranks: list[int], plan: InitPlan):
+    """Find weights that more than one stage holds and the groups that sum their gradients."""
+    groups: dict[str, list[int]] = {}  # canonical name -> stages holding a copy
+    for i in range(split.pipe.num_stages):
+        for name, _ in split.pipe.get_stage_module(i).named_parameters():
+            canonical = plan[name].canonical
+            groups.setdefault(canonical, []).append(i)
+    tied = []
+    # Every pipeline in the mesh (one per dp x tp position), as rows of global ranks by stage rank.
+    pp_rows = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, mesh["pp"].size())
+    me = dist.get_rank()
+    for canonical, stages in sorted(groups.items()):
+        if len(stages) < 2:
+            continue
+        holders = sorted({ranks[i] for i in stages})
+        group = None
+        for row in pp_rows.tolist():  # every rank creates every group, in the same order
+            g = dist.new_group([row[r] for r in holders]) if len(holders) > 1 else None
+            if me in row:
+                group = g
+        params = [p for m in modules for n, p in m.named_parameters() if plan[n].canonical == canonical]
+        if params:
+            pp_rank = mesh["pp"].get_local_rank()
+            tied.append(TiedCopy(params, group, owner=ranks[stages[0]] == pp_rank))
+    return tied
