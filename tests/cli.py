@@ -1,10 +1,18 @@
 """Run the training CLI as a user would, and read what a run leaves behind."""
 from __future__ import annotations
 
+import atexit
+import fcntl
+import hashlib
 import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -24,13 +32,97 @@ def env() -> dict:
 
 
 def run(args: list[str], cwd: Path, timeout: float = 180, launcher: list[str] | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python launch/train.py *args` (or `launcher + [train.py] + args`) in `cwd`."""
+        check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run `python launch/train.py *args` (or `launcher + [train.py] + args`) in `cwd`.
+
+    A plain run is a child of the zygote (tests/zygote.py), with the framework imported; `fresh`: a new
+    interpreter, for a test that measures the process itself (its peak RSS).
+    """
     cmd = (launcher or [sys.executable]) + [TRAIN] + list(args)
-    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    e = env()
+    if launcher is None and not fresh and _zygote_env(e) == _zygote_env(_Zygote.env):
+        proc = _Zygote.run(TRAIN, list(args), Path(cwd), e, timeout, cmd)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+# Variables that change in this process during the session and that nothing imported reads at import:
+# pytest's name of the current test; torch's default compile cache directory, which torch sets once it has
+# computed it (a test running train.py in this process).
+_CHANGING = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _zygote_env(e: dict) -> dict:
+    return {k: v for k, v in e.items() if k not in _CHANGING}
+
+
+class _Zygote:
+    """The client of this test process's zygote (tests/zygote.py), started at its first run."""
+
+    env = env()  # the zygote's: modules it imported may have read it
+    proc: subprocess.Popen | None = None
+    outputs: Path | None = None
+
+    @classmethod
+    def run(cls, script: str, args: list[str], cwd: Path, env: dict, timeout: float,
+            cmd: list[str]) -> subprocess.CompletedProcess:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=ROOT, env=cls.env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+            cls.outputs = Path(tempfile.mkdtemp(prefix="zygote-"))
+            atexit.register(shutil.rmtree, cls.outputs, True)
+        out, err = cls.outputs / "stdout", cls.outputs / "stderr"
+        request = {"script": script, "args": args, "cwd": str(cwd), "env": env, "stdout": str(out),
+                   "stderr": str(err)}
+        cls.proc.stdin.write((json.dumps(request) + "\n").encode())
+        pid = cls._answer(time.monotonic() + 600)["pid"]  # the zygote's fork: at once, once it has started
+        try:
+            status = cls._answer(time.monotonic() + timeout)["status"]
+        except subprocess.TimeoutExpired:  # as subprocess.run does: stop it (here with its workers), then say so
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            cls._answer(time.monotonic() + 60)
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text()) from None
+        return subprocess.CompletedProcess(cmd, status, out.read_text(), err.read_text())
+
+    @classmethod
+    def _answer(cls, deadline: float) -> dict:
+        """One line from the zygote (read unbuffered: a buffer would hide a line from select)."""
+        line = b""
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([cls.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise subprocess.TimeoutExpired("zygote", 0)
+            chunk = os.read(cls.proc.stdout.fileno(), 1)
+            if not chunk:
+                raise RuntimeError(f"the zygote (tests/zygote.py) exited with {cls.proc.wait()}")
+            line += chunk
+        return json.loads(line)
+
+
+def shared_run(args: list[str], root: Path, timeout: float = 180) -> Path:
+    """The run directory of `python launch/train.py *args`, run once under `root` for every test that asks
+    with the same arguments (tests/conftest.py `reference`); a test only reads it.
+
+    `root` is shared by pytest-xdist's workers: the first to ask runs it while holding a lock on the
+    arguments' file, and a worker asking at the same time waits for that run instead of making its own.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(json.dumps(list(args)).encode()).hexdigest()[:16]
+    run_dir, done = root / key, root / f"{key}.done"  # done: written once the run has finished
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not done.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # what a failed attempt left
+            run_dir.mkdir()
+            run(list(args) + [f"run_dir={run_dir}"], cwd=run_dir, timeout=timeout)
+            done.write_text(" ".join(args) + "\n")  # which run it is, for someone reading the directory
+    return run_dir
 
 
 def torchrun(nproc: int) -> list[str]:

@@ -1,4 +1,28 @@
 import os
 
+import pytest
+
 # Tiny models: one thread per process keeps multi-process tests from oversubscribing 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+    """A directory of this session shared by its pytest-xdist workers (each has its own basetemp below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def reference(shared_dir):
+    """`reference(args)`: the run directory of `python launch/train.py *args`, run once in the session.
+
+    Many tests compare against the same `strategy=single` run (one reference per model, STYLE.md 16); a
+    module-scoped fixture would still run it once per module, and once per xdist worker.
+    """
+    from tests import cli
+
+    def get(args: list[str], timeout: float = 180):
+        return cli.shared_run(args, shared_dir / "references", timeout=timeout)
+
+    return get

@@ -157,9 +157,9 @@ def fails_late(features: int = 32, out: int = 4, at: int = 3) -> nn.Module:
     return FailsLate(features, out, at)
 
 
-def ahead_probe(steps: int = 6) -> nn.Module:
+def ahead_probe(steps: int = 6, wait_s: float = 10) -> nn.Module:
     """The built-in stacked model, whose head refuses to train on batch k until the frozen
-    part has started on batch k+1: it trains only if the two really overlap."""
+    part has started on batch k+1 (waiting up to `wait_s`): it trains only if the two really overlap."""
     import threading
 
     from parallel.models.stacked import Stacked
@@ -182,7 +182,7 @@ def ahead_probe(steps: int = 6) -> nn.Module:
                 self.trained += 1
                 if self.trained < steps:
                     with self.cond:
-                        if not self.cond.wait_for(lambda: self.started > self.trained, timeout=10):
+                        if not self.cond.wait_for(lambda: self.started > self.trained, timeout=wait_s):
                             raise RuntimeError(f"the frozen part did not start on batch {self.trained + 1} "
                                                f"while the head trained on batch {self.trained}")
             return super().trainable_forward(features)

@@ -6,11 +6,9 @@ from tests import cli
 ARGS = ["data.task=regression", "model.args.depth=2"]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
-    cli.run(cli.FAST + ARGS + [f"run_dir={run_dir}"], cwd=run_dir)
-    return run_dir
+@pytest.fixture
+def single(reference):
+    return reference(cli.FAST + ARGS)
 
 
 @pytest.mark.timeout(240)
@@ -30,10 +28,9 @@ def test_gradient_accumulation_matches_single(single, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_user_model_trains_under_data(tmp_path):
+def test_user_model_trains_under_data(reference, tmp_path):
     user = ["model=custom", "model._target_=tests.user_model.two_tower", "+model.args.width=8"]
-    ref = tmp_path / "single"
-    cli.run(cli.FAST + user + [f"run_dir={ref}"], cwd=tmp_path)
+    ref = reference(cli.FAST + user)
     dp = tmp_path / "data"
     cli.run(cli.FAST + user + ["nproc=2", "strategy=data", "strategy.zero=2", f"run_dir={dp}"], cwd=tmp_path)
     cli.assert_same_training(dp, ref)

@@ -25,15 +25,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def singles(tmp_path_factory):
-    """The single-process reference of each model, run once."""
-    refs = {}
-    for name, args in (("mlp", MLP), ("gpt", GPT), ("tied", TIED)):
-        run_dir = tmp_path_factory.mktemp(f"single-{name}")
-        cli.run(cli.FAST + args + [f"run_dir={run_dir}"], cwd=run_dir)
-        refs[id(args)] = run_dir
-    return refs
 
 
 def assert_same_grad_norms(run_dir, ref_dir):
@@ -44,11 +35,11 @@ def assert_same_grad_norms(run_dir, ref_dir):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", list(CASES))
-def test_hybrid_matches_single(singles, tmp_path, case):
+def test_hybrid_matches_single(reference, tmp_path, case):
     model, hybrid, nproc = CASES[case]
     cli.run(cli.FAST + model + hybrid + [f"nproc={nproc}", "strategy=hybrid", f"run_dir={tmp_path}"],
             cwd=tmp_path, timeout=300)
-    ref = singles[id(model)]
+    ref = reference(cli.FAST + model)
     cli.assert_same_training(tmp_path, ref)
     assert_same_grad_norms(tmp_path, ref)  # clipping sees the single-device norm, across every mesh dimension
     assert len(cli.metrics(tmp_path)[-1]["mem_peak_bytes_per_rank"]) == nproc
@@ -61,7 +52,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(400)
-def test_two_nodes_of_two_workers(singles, tmp_path):
+def test_two_nodes_of_two_workers(reference, tmp_path):
     """Two torchrun agents on this machine as two nodes; dp2 x tp2 keeps each tp pair inside a node."""
     port = _free_port()
     run_dir = tmp_path / "run"
@@ -76,5 +67,5 @@ def test_two_nodes_of_two_workers(singles, tmp_path):
     outputs = [a.communicate(timeout=300)[0] for a in agents]
     for agent, out in zip(agents, outputs):
         assert agent.returncode == 0, out[-5000:]
-    cli.assert_same_training(run_dir, singles[id(MLP)])
+    cli.assert_same_training(run_dir, reference(cli.FAST + MLP))
     assert len(cli.metrics(run_dir)[-1]["mem_peak_bytes_per_rank"]) == 4

@@ -1,4 +1,6 @@
 """strategy=offload streams weights, optimizer state and activations, and trains to the single-device numbers."""
+import os
+
 import pytest
 
 from tests import cli
@@ -19,24 +21,12 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def singles(tmp_path_factory):
-    refs = {}
-    for model, _ in CASES.values():
-        key = tuple(model)
-        if key not in refs:
-            run_dir = tmp_path_factory.mktemp("single")
-            cli.run(cli.FAST + model + [f"run_dir={run_dir}"], cwd=run_dir)
-            refs[key] = run_dir
-    return refs
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("case", list(CASES))
-def test_offload_matches_single(singles, tmp_path, case):
+def test_offload_matches_single(reference, tmp_path, case):
     model, offload = CASES[case]
     cli.run(cli.FAST + model + offload + ["strategy=offload", f"run_dir={tmp_path}"], cwd=tmp_path)
-    cli.assert_same_training(tmp_path, singles[tuple(model)])
+    cli.assert_same_training(tmp_path, reference(cli.FAST + model))
     last = cli.metrics(tmp_path)[-1]
     moved = last["offload_params_bytes"] + last["offload_optimizer_bytes"] + last["offload_activations_bytes"]
     assert moved > 0 and last["offload_wait_s"] >= 0
@@ -45,24 +35,36 @@ def test_offload_matches_single(singles, tmp_path, case):
     assert not (tmp_path / "offload").exists()  # the disk tier is removed at the end
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("lookahead", [True, False])
-def test_stacked_model_with_a_pretrained_frozen_extractor(tmp_path, lookahead):
-    """The extractor loads its checkpoint and never changes; the head trains as under single,
-    with the extractor one batch ahead of the head (the default) or not."""
+@pytest.fixture
+def extractor(shared_dir):
+    """A pretrained extractor's checkpoint and its weights: one file for the session, so that the tests
+    naming it in their arguments share one reference run."""
     import torch
 
-    ckpt = tmp_path / "extractor.pt"
     gen = torch.Generator().manual_seed(7)
     widths = [32, 64, 64, 64]
     state = {}
     for i, (a, b) in enumerate(zip(widths, widths[1:])):
         state[f"frozen.{i}.fc.weight"] = torch.randn(b, a, generator=gen) * 0.1
         state[f"frozen.{i}.fc.bias"] = torch.randn(b, generator=gen) * 0.1
-    torch.save(state, ckpt)
+    ckpt = shared_dir / "extractor.pt"
+    if not ckpt.exists():  # written whole under another name, then renamed: a reader never sees half of it
+        part = shared_dir / f"extractor.pt.{os.getpid()}"
+        torch.save(state, part)
+        os.replace(part, ckpt)
+    return ckpt, state
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_stacked_model_with_a_pretrained_frozen_extractor(reference, tmp_path, extractor, lookahead):
+    """The extractor loads its checkpoint and never changes; the head trains as under single,
+    with the extractor one batch ahead of the head (the default) or not."""
+    import torch
+
+    ckpt, state = extractor
     model = ["model=stacked", f"model.frozen_checkpoint={ckpt}"]
-    ref = tmp_path / "single"
-    cli.run(cli.FAST + model + [f"run_dir={ref}"], cwd=tmp_path)
+    ref = reference(cli.FAST + model)
     off = tmp_path / "offload"
     cli.run(cli.FAST + model + ["strategy=offload", f"strategy.lookahead={lookahead}", f"run_dir={off}"],
             cwd=tmp_path)
@@ -85,7 +87,8 @@ def test_frozen_part_runs_while_the_head_trains(tmp_path):
     probe = ["model=custom", "model._target_=tests.user_model.ahead_probe", "+model.args.steps=6"]
     cli.run(cli.FAST + probe + ["strategy=offload", f"run_dir={tmp_path / 'ahead'}"], cwd=tmp_path)
     assert cli.metrics(tmp_path / "ahead")[-1]["offload_frozen_ahead"] == 1.0
-    proc = cli.run(cli.FAST + probe + ["strategy=offload", "strategy.lookahead=false",
+    # Run serially the frozen part never starts ahead, however long the head waits: a short wait fails the same.
+    proc = cli.run(cli.FAST + probe + ["strategy=offload", "strategy.lookahead=false", "+model.args.wait_s=1",
                                        f"run_dir={tmp_path / 'serial'}"], cwd=tmp_path, check=False)
     assert proc.returncode != 0 and "the frozen part did not start on batch 2" in proc.stderr
 

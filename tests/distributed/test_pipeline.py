@@ -7,11 +7,9 @@ from tests import cli
 MLP = ["model.args.depth=2"]  # inp, 2 blocks, head: enough for 4 stages on 2 ranks
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
-    cli.run(cli.FAST + MLP + [f"run_dir={run_dir}"], cwd=run_dir)
-    return run_dir
+@pytest.fixture
+def single(reference):
+    return reference(cli.FAST + MLP)
 
 
 def pipeline_run(tmp_path, args, nproc=2):
@@ -36,33 +34,30 @@ def test_every_schedule_on_two_ranks_matches_single(single, tmp_path, schedule):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
-def test_four_ranks_match_single(tmp_path, schedule):
+def test_four_ranks_match_single(reference, tmp_path, schedule):
     deep = ["model.args.depth=6"]  # 8 blocks: 8 stages for the interleaved schedule
-    ref = tmp_path / "single"
-    cli.run(cli.FAST + deep + [f"run_dir={ref}"], cwd=tmp_path)
+    ref = reference(cli.FAST + deep)
     run = pipeline_run(tmp_path / "pp", deep + [f"strategy.schedule={schedule}"], nproc=4)
     cli.assert_same_training(run, ref)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
-def test_skip_connection_across_stages(tmp_path, schedule):
+def test_skip_connection_across_stages(reference, tmp_path, schedule):
     model = ["model=custom", "model._target_=tests.user_model.skip_net"]
-    ref = tmp_path / "single"
-    cli.run(cli.FAST + model + [f"run_dir={ref}"], cwd=tmp_path)
+    ref = reference(cli.FAST + model)
     run = pipeline_run(tmp_path / "pp", model + [f"strategy.schedule={schedule}"])
     cli.assert_same_training(run, ref)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
-def test_tied_embedding_and_head_with_token_ids(tmp_path, schedule):
+def test_tied_embedding_and_head_with_token_ids(reference, tmp_path, schedule):
     """The embedding (first stage) and head (last stage) share one matrix; with ZBV
     both stages sit on rank 0, with 1F1B on different ranks."""
     gpt = ["model=gpt", "data.task=lm", "model.args.tie_embeddings=true", "model.args.layers=2",
            "model.args.dim=32", "data.seq_len=16"]
-    ref = tmp_path / "single"
-    cli.run(cli.FAST + gpt + [f"run_dir={ref}"], cwd=tmp_path)
+    ref = reference(cli.FAST + gpt)
     run = pipeline_run(tmp_path / "pp", gpt + [f"strategy.schedule={schedule}"])
     cli.assert_same_training(run, ref)
     final = cli.final_weights(run)

@@ -15,11 +15,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
-    cli.run(cli.FAST + BIG + [f"run_dir={run_dir}"], cwd=run_dir)
-    return run_dir
+@pytest.fixture
+def single(reference):
+    return reference(cli.FAST + BIG)
 
 
 @pytest.mark.timeout(240)

@@ -17,10 +17,9 @@ TP_ONLY = ("tp_plan", "sequence_parallel")
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_model_parallel_on_two_ranks_matches_single(tmp_path, case):
+def test_model_parallel_on_two_ranks_matches_single(reference, tmp_path, case):
     args = CASES[case]
-    ref = tmp_path / "single"
-    cli.run(cli.FAST + [a for a in args if not any(k in a for k in TP_ONLY)] + [f"run_dir={ref}"], cwd=tmp_path)
+    ref = reference(cli.FAST + [a for a in args if not any(k in a for k in TP_ONLY)])
     tp = tmp_path / "tp"
     cli.run(cli.FAST + args + ["nproc=2", "strategy=model", f"run_dir={tp}"], cwd=tmp_path)
     cli.assert_same_training(tp, ref)

@@ -20,19 +20,10 @@ BASE = ["trainer.log_every=1", "trainer.progress=false", "trainer.save_final=tru
 MODELS = {"mlp": [], "gpt": ["model=gpt", "data.task=lm", "model.args.tie_embeddings=true", "model.args.dim=32"]}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture
+def uninterrupted(reference):
     """The uninterrupted single-process run of each model (with its checkpoints at steps 4 and 8)."""
-    made = {}
-
-    def get(model: str):
-        if model not in made:
-            out = tmp_path_factory.mktemp(f"ref-{model}")
-            cli.run(BASE + MODELS[model] + [f"run_dir={out}"], cwd=out)
-            made[model] = out
-        return made[model]
-
-    return get
+    return lambda model: reference(BASE + MODELS[model])
 
 
 def by_step(run_dir) -> dict[int, float]:
@@ -65,8 +56,8 @@ PAIRS = [
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model,saved,resumed", PAIRS, ids=[f"{m}:{a} -> {b}" for m, a, b in PAIRS])
-def test_resume_under_another_strategy_continues_the_run(tmp_path, reference, model, saved, resumed):
-    ref = reference(model)
+def test_resume_under_another_strategy_continues_the_run(tmp_path, uninterrupted, model, saved, resumed):
+    ref = uninterrupted(model)
     if saved == "strategy=single":
         first = ref
     else:
@@ -82,9 +73,9 @@ def test_resume_under_another_strategy_continues_the_run(tmp_path, reference, mo
 
 
 @pytest.mark.timeout(300)
-def test_truncated_checkpoint_is_skipped_for_the_one_before(tmp_path, reference):
+def test_truncated_checkpoint_is_skipped_for_the_one_before(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    shutil.copytree(reference("mlp"), run_dir)
+    shutil.copytree(uninterrupted("mlp"), run_dir)
     newest = run_dir / "checkpoints" / "step-000008"
     data = next(newest.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # a copy cut short
@@ -95,7 +86,7 @@ def test_truncated_checkpoint_is_skipped_for_the_one_before(tmp_path, reference)
     assert "resumed from" in out and "step-000004" in out
     # metrics.jsonl reads as one run: the steps past 4 logged before are replaced, not repeated
     assert [r["step"] for r in cli.metrics(run_dir)] == list(range(1, STEPS + 1))
-    assert_continues(run_dir, reference("mlp"), 1)
+    assert_continues(run_dir, uninterrupted("mlp"), 1)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
 
 
@@ -179,8 +170,8 @@ BAD_RESUME = [
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args,text", BAD_RESUME, ids=[" ".join(a) for a, _ in BAD_RESUME])
-def test_bad_resume_exits_cleanly_naming_the_key(tmp_path, reference, args, text):
-    ref = str(reference("mlp"))
+def test_bad_resume_exits_cleanly_naming_the_key(tmp_path, uninterrupted, args, text):
+    ref = str(uninterrupted("mlp"))
     args = [a.replace("REF", ref) for a in args]
     proc = cli.run(["trainer.progress=false", f"run_dir={tmp_path / 'run'}", *args], cwd=tmp_path, check=False)
     out = proc.stdout + proc.stderr

@@ -50,17 +50,17 @@ def test_three_launch_ways_agree(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_tensorboard_holds_the_loss(tmp_path):
+def test_tensorboard_holds_the_loss(reference):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cli.run(cli.FAST + [f"run_dir={tmp_path}"], cwd=tmp_path)
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    run_dir = reference(cli.FAST)
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     scalars = acc.Tags()["scalars"]
     assert {"train/loss", "train/lr", "train/grad_norm", "time/step_time_s", "time/data_time_s",
             "train/samples_per_s", "memory/mem_peak_bytes/rank0", "memory/rss_peak_bytes/rank0"} <= set(scalars)
     logged = [e.value for e in acc.Scalars("train/loss")]
-    want = [r["loss"] for r in cli.metrics(tmp_path)]
+    want = [r["loss"] for r in cli.metrics(run_dir)]
     assert logged == pytest.approx(want, rel=1e-6)
 
 

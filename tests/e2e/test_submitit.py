@@ -23,11 +23,10 @@ def test_slurm_launcher_config_composes():
 
 
 @pytest.mark.timeout(300)
-def test_tasks_of_a_submitit_job_are_the_workers(tmp_path):
+def test_tasks_of_a_submitit_job_are_the_workers(reference, tmp_path):
     """The local executor runs a job's tasks as processes, as SLURM would on a node."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    ref = tmp_path / "single"
-    cli.run(cli.FAST + [f"run_dir={ref}"], cwd=tmp_path)
+    ref = reference(cli.FAST)
     sweep = tmp_path / "sweep"
     cli.run(["-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "strategy=data",
              f"hydra.sweep.dir={sweep}"] + cli.FAST, cwd=tmp_path, timeout=240)
