@@ -94,6 +94,9 @@ class ModelConfig:
     args: Dict[str, Any] = field(default_factory=dict)
     # model=stacked: a state dict with the frozen extractor's pretrained weights.
     frozen_checkpoint: Optional[str] = None
+    # Parameter name patterns (`*` wildcards, e.g. "blocks.0.*") frozen for the run: no gradients, no
+    # optimizer state, under every strategy.
+    freeze: List[str] = field(default_factory=list)
 
 
 @dataclass

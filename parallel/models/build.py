@@ -2,6 +2,7 @@
 checks that it can be built, initialized and fed the configured data (run once, before workers start)."""
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import inspect
 import os
@@ -45,11 +46,31 @@ def build_meta_model(m: ModelConfig) -> nn.Module:
     if not isinstance(model, nn.Module):
         key = "model._target_" if m._target_ else "model.name"
         fail(key, m._target_ or m.name, f"must return an nn.Module, returned {type(model).__name__}")
+    freeze(model, m.freeze)
     try:
         check_initializable(model)
     except ValueError as e:
         fail("model", m._target_ or m.name, str(e))
     return model
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> None:
+    """Turn off `requires_grad` of every parameter whose name matches one of `patterns` (`*` wildcards),
+    on the meta model, before any strategy sees it: each strategy then leaves it out of its gradients,
+    gradient syncs and optimizer state as it does for any frozen parameter. A pattern that matches no
+    parameter is a config error (a typo would otherwise train what was meant to stay fixed)."""
+    if not patterns:
+        return
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    unused = [p for p in patterns if not fnmatch.filter(names, p)]
+    if unused:
+        fail("model.freeze", list(patterns), f"{unused} match no parameter of {type(model).__name__}",
+             f"patterns over its parameter names, e.g. {names[:3]}")
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            p.requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):
+        fail("model.freeze", list(patterns), "freezes every parameter: nothing would train")
 
 
 def check_model(m: ModelConfig) -> None:

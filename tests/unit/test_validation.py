@@ -52,6 +52,8 @@ BAD = [
     ({"strategy__name": "offload", "trainer__grad_accum": 2}, 1, "trainer.grad_accum"),
     ({"strategy__name": "offload", "strategy__path": __file__ + "/offload"}, 1, "strategy.path"),  # under a file
     ({"model__name": "stacked", "model__frozen_checkpoint": "/no/such/file.pt"}, 1, "model.frozen_checkpoint"),
+    ({"model__freeze": ["blocks.0.*", "nope.*"]}, 1, "model.freeze"),  # a pattern matching nothing
+    ({"model__freeze": ["*.weight", "*.bias"]}, 1, "model.freeze"),  # nothing left to train
     ({"data__task": "vision"}, 1, "data.task"),
     ({"model__name": "gpt", "model__args": {"vocab_size": 64, "seq_len": 32}}, 1, "data.task"),  # takes token ids
     ({"data__features": -3}, 1, "data.features"),
