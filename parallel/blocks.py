@@ -2,8 +2,9 @@
 recomputation checkpoints (Note [pipeline partitioning] in parallel/strategies/pipeline/partition.py)."""
 from __future__ import annotations
 
-import torch
 from torch import nn
+
+from parallel.tensors import meta_forward
 
 
 def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, tuple]]:
@@ -27,8 +28,7 @@ def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, t
                 inputs[name] = (args, kwargs)
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad():
-            model(*example)
+        meta_forward(model, *example)
     finally:
         for h in handles:
             h.remove()

@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 TASKS = ("regression", "classification", "lm")
+INITS = ("module", "name")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant")
@@ -97,6 +98,22 @@ class ModelConfig:
     # Parameter name patterns (`*` wildcards, e.g. "blocks.0.*") frozen for the run: no gradients, no
     # optimizer state, under every strategy.
     freeze: List[str] = field(default_factory=list)
+    # The initial weights (Note [initial values] in parallel/init/values.py): module (the model's own, as
+    # `torch.manual_seed(trainer.seed); factory(**args)` makes them; built once, on rank 0) or name (each
+    # tensor seeded by its name, on every rank; for a model too large for one host).
+    init: str = "module"
+    # Pretrained weights: a .safetensors, .pt or .bin state dict, a sharded safetensors index, or a model
+    # directory; they replace the initial values of every tensor they hold.
+    weights: Optional[str] = None
+    # With weights: every saved tensor of the model must be in them, and nothing else (false: the missing
+    # ones keep their initial values and the rest is ignored; both listed at start).
+    strict: bool = True
+    # model=hf: a Hugging Face model directory (config.json, and its weights when pretrained), the Auto
+    # class that builds it (default: the config's `architectures`), and config overrides.
+    path: Optional[str] = None
+    auto_class: Optional[str] = None
+    pretrained: bool = True
+    config: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +122,9 @@ class DataConfig:
     name: str = "synthetic"
     # Task and sizes: data=shards reads them from the dataset's manifest.
     task: str = "regression"
+    # What the model is fed (synthetic): features (float vectors of data.features) or tokens (ids of
+    # data.seq_len below data.vocab_size, as a text classifier takes them); data.task=lm always feeds tokens.
+    inputs: str = "features"
     features: int = 32
     targets: int = 4
     classes: int = 10

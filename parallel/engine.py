@@ -133,7 +133,7 @@ class LocalEngine(Engine):
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 / replicate modules have it
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with autocast(self.cfg, self.device):
-                loss = self.loss_fn(self.model(xs).float(), ys) / accum
+                loss = self.loss_fn(self.model(xs), ys) / accum
             loss.backward()
             total += loss.detach()
         return total

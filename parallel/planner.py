@@ -72,6 +72,7 @@ from torch.utils.flop_counter import flop_registry
 from parallel.config import Config
 from parallel.data import SyntheticData
 from parallel.dims import ParallelDims
+from parallel.init import Blank
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
 from parallel.offload.activations import ActivationStore
@@ -278,7 +279,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         ddp, io = _DDPStandIn(), _CountingIO()
         runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
                           executor=lambda workers, name: _InlineExecutor(), replicate=ddp.replicate,
-                          check_disk=False, offload_io=io)  # the plan may be for another machine's disk
+                          check_disk=False, offload_io=io,  # the plan may be for another machine's disk
+                          values=Blank())  # fake tensors hold no values
         with FakeTensorMode(allow_non_fake_inputs=True), static_pipeline_warmup(), sends_held_by_their_works(), \
                 meshes_outside_fake():
             run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=data)

@@ -46,6 +46,8 @@ class Runtime:
         check_disk: check that the offload directory has room before writing to it.
         offload_io: stand-ins for offload's disk tier and activation store (see
             parallel.offload.engine); None: the real ones.
+        values: where every tensor's initial value comes from (a parallel.init.values.Values; Note
+            [initial values]); None: by name from trainer.seed (parallel.init.values.ByName).
     """
 
     device: torch.device = torch.device("cpu")
@@ -57,3 +59,4 @@ class Runtime:
     replicate: Callable[..., Any] | None = None
     check_disk: bool = True
     offload_io: Any = None
+    values: Any = None

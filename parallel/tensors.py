@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -25,3 +27,17 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     names, _ = t.__tensor_flatten__()
     inner = (getattr(t, name) for name in names)
     return [p for i in inner if isinstance(i, torch.Tensor) for p in plain_tensors(i)]
+
+
+def meta_forward(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a meta model and meta inputs, without gradients, as fake tensors.
+
+    A library that reads values in its forward (Hugging Face's attention masks test `.all()` of the
+    positions) takes its tracing path on fake tensors and fails on plain meta ones; inside a fake mode
+    already (the planner) nothing changes.
+    """
+    with torch.no_grad():
+        if detect_fake_mode() is not None:
+            return fn(*args, **kwargs)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return fn(*args, **kwargs)

@@ -7,6 +7,7 @@ tensors (parallel.planner), so both build exactly the same thing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ from parallel.config import Config
 from parallel.data import DataSource, build_data
 from parallel.dims import ParallelDims
 from parallel.engine import Engine
-from parallel.init import InitPlan, init_plan
+from parallel.init import ByName, InitPlan, init_plan
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss
+from parallel.models import weights
 from parallel.models.build import build_meta_model
 from parallel.optim import all_mean, build_optimizer, build_scheduler
 from parallel.runtime import Runtime
@@ -56,15 +58,21 @@ class Run:
 
 
 def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, model=None,
-              data: DataSource | None = None) -> Run:
+              data: DataSource | None = None, run_dir: Path | None = None) -> Run:
     """Build the model on the meta device, hand it to the strategy, and add the optimizer, schedule and data.
 
     `mesh`, `model` (on meta) and `data` may come ready-made (the planner makes
-    them outside its fake-tensor mode).
+    them outside its fake-tensor mode). The initial values are `runtime.values`;
+    when it is None they are made here for `cfg.model` (Note [initial values]),
+    with `run_dir` for the file rank 0 hands the model's own values over in.
     """
     mesh = dims.build_mesh(runtime.device.type) if mesh is None else mesh
     model = build_meta_model(cfg.model) if model is None else model
     plan = init_plan(model)  # names -> initialization, taken before any partitioning
+    if runtime.values is None:
+        values = ByName(cfg.trainer.seed, model) if run_dir is None else \
+            weights.initial_values(cfg.model, cfg.trainer.seed, run_dir, model, plan)
+        runtime = dataclasses.replace(runtime, values=values)
     engine = parallelize(model, mesh, cfg, runtime, plan)
     optimizer = engine.make_optimizer() or build_optimizer(engine.model, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
@@ -86,7 +94,8 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
     world = dist.get_world_size()
     dims = ParallelDims.of(cfg.strategy, world)
     cfg.run_dir = str(run_dir)  # strategies may keep files there (offload's disk tier)
-    run = build_run(cfg, dims, Runtime(device=device))
+    run = build_run(cfg, dims, Runtime(device=device), run_dir=run_dir)
+    weights.done(run_dir)
     console_on(run.is_logger)
     try:
         path = checkpoint.resume_target(cfg, run_dir)

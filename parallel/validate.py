@@ -16,6 +16,7 @@ from parallel.data.shards import read_hints
 from parallel.dims import ParallelDims
 from parallel.memory.budget import check_memory
 from parallel.models.build import build_meta_model, check_model, check_model_takes_data
+from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
 from parallel.strategies import check_strategy
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
@@ -87,6 +88,7 @@ def validate(cfg: Config, world_size: int) -> None:
     # 3. The model, then what needs it: the offload disk's room, a checkpoint to resume, the tensor plan,
     #    the pipeline split, and the data's shapes through the model.
     check_model(cfg.model)
+    check_weights(cfg.model, build_meta_model(cfg.model))
     if s.name == "offload" and s.path is not None:
         check_offload_disk(cfg, build_meta_model(cfg.model))
     if cfg.trainer.resume is not None:

@@ -26,3 +26,21 @@ def reference(shared_dir):
         return cli.shared_run(args, shared_dir / "references", timeout=timeout)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    """Small Hugging Face model directories (config.json and weights, as save_pretrained writes them), built
+    from configs in tests/hf_models.py: nothing is downloaded. Their weights are the model's own
+    initialization under seed 1 (a run with trainer.seed=0 would start elsewhere without loading them)."""
+    import torch
+
+    from tests import hf_models
+
+    root = tmp_path_factory.mktemp("hf")
+    made = {}
+    for name, factory in (("llama", hf_models.llama), ("gpt2", hf_models.gpt2), ("bert", hf_models.bert_classifier)):
+        torch.manual_seed(1)
+        factory().save_pretrained(root / name)
+        made[name] = str(root / name)
+    return made

@@ -28,7 +28,7 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp
 
 def example_input(d: DataConfig, batch: int = 2, device: str | torch.device = "meta") -> tuple:
     """The model's positional inputs for `batch` samples, as the data source hands them out (zeros)."""
-    if d.task == "lm":
+    if d.task == "lm" or d.inputs == "tokens":
         return (torch.zeros(batch, d.seq_len, dtype=torch.long, device=device),)
     return (torch.zeros(batch, d.features, device=device),)
 
@@ -41,6 +41,10 @@ def check_data(d: DataConfig) -> None:
         check_shards(d)
     if d.task not in TASKS:
         fail("data.task", d.task, "unknown task", list(TASKS))
+    if d.inputs not in ("features", "tokens"):
+        fail("data.inputs", d.inputs, "unknown kind of input", ["features", "tokens"])
+    if d.inputs == "tokens" and d.name == "shards":
+        fail("data.inputs", d.inputs, "data=shards feeds what its manifest says; data.inputs is for synthetic data")
     for key in ("features", "targets", "classes", "vocab_size", "seq_len"):
         positive(f"data.{key}", getattr(d, key))
     if d.noise < 0:

@@ -44,6 +44,10 @@ class SyntheticData:
             noise = torch.rand(tokens.shape, generator=g) < 0.1
             tokens = torch.where(noise, torch.randint(0, c.vocab_size, tokens.shape, generator=g), tokens)
             return tokens[:, :-1], tokens[:, 1:]
+        if c.inputs == "tokens":  # the class is read from the first token: learnable by any text classifier
+            x = torch.randint(0, c.vocab_size, (self.batch_size, c.seq_len), generator=g)
+            return x, x[:, 0] % c.classes if c.task == "classification" else \
+                torch.randn(self.batch_size, c.targets, generator=g)
         x = torch.randn(self.batch_size, c.features, generator=g)
         logits = x @ self.teacher
         if c.task == "classification":

@@ -10,10 +10,13 @@ import os
 import torch
 from torch import nn
 
-from parallel.config import Config, ModelConfig, fail
+from parallel.config import INITS, Config, ModelConfig, fail
 from parallel.data import example_input
 from parallel.init import check_initializable
+from parallel.loss import logits_of
 from parallel.models import MODELS
+from parallel.models.hf import hf_args, hf_model, hf_weights
+from parallel.tensors import meta_forward
 
 
 def resolve_factory(m: ModelConfig):
@@ -29,9 +32,24 @@ def resolve_factory(m: ModelConfig):
         if not callable(factory):
             fail("model._target_", m._target_, "is not callable")
         return factory
+    if m.name == "hf":
+        return hf_model
     if m.name not in MODELS:
-        fail("model.name", m.name, "unknown model; use a built-in or set model._target_", sorted(MODELS))
+        fail("model.name", m.name, "unknown model; use a built-in, model=hf or set model._target_",
+             sorted([*MODELS, "hf"]))
     return MODELS[m.name]
+
+
+def model_args(m: ModelConfig) -> dict:
+    """The keyword arguments the factory is called with."""
+    return hf_args(m) if m.name == "hf" and not m._target_ else dict(m.args)
+
+
+def weights_path(m: ModelConfig) -> str | None:
+    """The pretrained weights to load: model.weights, or a model=hf directory's own."""
+    if m.weights is not None:
+        return m.weights
+    return hf_weights(m) if m.name == "hf" and not m._target_ else None
 
 
 def build_meta_model(m: ModelConfig) -> nn.Module:
@@ -39,18 +57,19 @@ def build_meta_model(m: ModelConfig) -> nn.Module:
     factory = resolve_factory(m)
     try:
         with torch.device("meta"):
-            model = factory(**m.args)
+            model = factory(**model_args(m))
     except (TypeError, ValueError) as e:
         key = "model._target_" if m._target_ else f"model={m.name}"
-        fail(key, dict(m.args), f"building the model failed: {type(e).__name__}: {e}")
+        fail(key, model_args(m), f"building the model failed: {type(e).__name__}: {e}")
     if not isinstance(model, nn.Module):
         key = "model._target_" if m._target_ else "model.name"
         fail(key, m._target_ or m.name, f"must return an nn.Module, returned {type(model).__name__}")
     freeze(model, m.freeze)
-    try:
-        check_initializable(model)
-    except ValueError as e:
-        fail("model", m._target_ or m.name, str(e))
+    if m.init == "name":
+        try:
+            check_initializable(model)
+        except ValueError as e:
+            fail("model.init", m.init, str(e))
     return model
 
 
@@ -77,6 +96,8 @@ def check_model(m: ModelConfig) -> None:
     """The factory exists, accepts `model.args`, and builds an initializable module."""
     if m.frozen_checkpoint is not None and not os.path.isfile(m.frozen_checkpoint):
         fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
+    if m.init not in INITS:
+        fail("model.init", m.init, "unknown initialization", list(INITS))
     factory = resolve_factory(m)
     try:
         sig = inspect.signature(factory)
@@ -84,7 +105,7 @@ def check_model(m: ModelConfig) -> None:
         sig = None  # a builtin or C callable: its arguments are checked by calling it
     if sig is not None:
         try:
-            sig.bind(**m.args)
+            sig.bind(**model_args(m))
         except TypeError as e:
             hint = ""
             if m._target_ and m.name != "custom":
@@ -104,11 +125,14 @@ def check_model_takes_data(cfg: Config) -> None:
     shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
     (x,) = example_input(d)
     try:
-        with torch.no_grad():
-            out = build_meta_model(cfg.model)(x)
+        raw = meta_forward(build_meta_model(cfg.model), x)
     except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
         fail(key, value, f"the model does not take {what} samples ({x.dtype} features of shape "
              f"{tuple(x.shape[1:])}){hint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    try:
+        out = logits_of(raw)
+    except TypeError as e:
+        fail("model", cfg.model._target_ or cfg.model.name, str(e))
     if tuple(out.shape) != shape[d.task]:
         fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {what} "
              f"{d.task} targets need {shape[d.task]}")

@@ -147,7 +147,7 @@ class OffloadEngine(Engine):
         self.saved = SavedTensors(self.stream, self.acts, device)
         self.state = OffloadState(model, self.layout, self.stream, self.adamw, device)
         try:
-            self.state.write_initial(plan, cfg.trainer.seed)
+            self.state.write_initial(plan, runtime.values)
         except BaseException:
             self.close()  # no files left behind
             raise
@@ -204,7 +204,7 @@ class OffloadEngine(Engine):
         with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
             with autocast(self.cfg, self.device):
                 out = self.model(x) if features is None else self.model.trainable_forward(features)
-                loss = self.loss_fn(out.float(), y)
+                loss = self.loss_fn(out, y)
             loss.backward()
         self.hooks.end_step()
         return loss.detach()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.init import InitPlan, full_init_value
+from parallel.init import InitPlan, Values
 from parallel.offload.adamw import BlockAdamW
 from parallel.offload.layout import Layout
 from parallel.offload.stream import WeightStream
@@ -29,14 +29,13 @@ class OffloadState:
         self.model, self.layout, self.stream, self.adamw, self.device = model, layout, stream, adamw, device
 
     @torch.no_grad()
-    def write_initial(self, plan: InitPlan, seed: int) -> None:
-        """Initialize every parameter by name (Note [initialization by name]) straight into its home,
+    def write_initial(self, plan: InitPlan, values: Values) -> None:
+        """Write every parameter's initial value (Note [initial values]) straight into its home,
         one block at a time, then install the real parameters."""
         layout = self.layout
 
         def value(fqn: str, shape, dtype) -> torch.Tensor:
-            module, local, canonical = plan[fqn]
-            return full_init_value(module, local, canonical, shape, dtype, seed)
+            return values.full(fqn, plan[fqn], shape, dtype)
 
         for p in layout.resident:
             shape, dtype = layout.shapes[p]

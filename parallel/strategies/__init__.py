@@ -33,7 +33,7 @@ def _local(apply):
         if recomputing(cfg):  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
             recompute_model(model, cfg)
         model = apply(model, mesh, cfg, runtime)
-        materialize_and_init(model, runtime.device, cfg.trainer.seed, plan)
+        materialize_and_init(model, runtime.device, plan, runtime.values)
         return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), runtime.device)
 
     return build

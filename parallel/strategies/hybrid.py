@@ -80,5 +80,5 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
         recompute_model(model, cfg)
     pieces(model, blocks_of(model))
-    materialize_and_init(model, runtime.device, cfg.trainer.seed, plan)
+    materialize_and_init(model, runtime.device, plan, runtime.values)
     return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), runtime.device)

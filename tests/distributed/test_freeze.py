@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from parallel.config import ModelConfig
-from parallel.init import materialize_and_init
-from parallel.models.build import build_meta_model
+from parallel.models.weights import build_own_model
 from tests import cli
 
 # A whole block and one tensor of the root (so FSDP units hold frozen and trainable parameters together).
@@ -19,8 +18,7 @@ def single(reference):
 
 
 def test_frozen_weights_stay_as_initialized_without_optimizer_state(single):
-    model = build_meta_model(ModelConfig(args={"in_features": 32, "out_features": 4, "depth": 2}))
-    initial = materialize_and_init(model, torch.device("cpu"), seed=0).state_dict()
+    initial = build_own_model(ModelConfig(args={"in_features": 32, "out_features": 4, "depth": 2}), seed=0).state_dict()
     final = cli.final_weights(single)
     for name, value in initial.items():
         if name in FROZEN:

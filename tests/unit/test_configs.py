@@ -43,8 +43,10 @@ def shards(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("group,name", list(options()))
-def test_every_config_composes_and_validates(group, name, shards):
+def test_every_config_composes_and_validates(group, name, shards, hf_dirs):
     extra = [f"data.path={shards}"] if (group, name) == ("data", "shards") else EXTRA.get((group, name), [])
+    if (group, name) == ("model", "hf"):
+        extra = [f"model.path={hf_dirs['llama']}", "data.task=lm", "data.seq_len=16"]
     cfg = to_config(compose_cfg([f"{group}={name}"] + extra))
     section = getattr(cfg, group)
     assert getattr(section, "name", name) == name

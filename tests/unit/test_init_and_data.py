@@ -3,7 +3,7 @@ import torch
 
 from parallel.config import DataConfig
 from parallel.data.synthetic import SyntheticData
-from parallel.init import materialize_and_init, name_seed
+from parallel.init import ByName, init_plan, materialize_and_init, name_seed
 from parallel.loss import loss_fn
 from parallel.memory.tracker import LiveTensorBytes
 from parallel.models import MODELS
@@ -12,7 +12,7 @@ from parallel.models import MODELS
 def _init(model_fn, seed=0):
     with torch.device("meta"):
         model = model_fn()
-    return materialize_and_init(model, torch.device("cpu"), seed)
+    return materialize_and_init(model, torch.device("cpu"), init_plan(model), ByName(seed, model))
 
 
 def test_init_depends_on_seed_and_name_only():

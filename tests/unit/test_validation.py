@@ -82,7 +82,9 @@ BAD = [
     ({"model___target_": "tests.user_model.not_a_module", "model__name": "custom",
       "model__args": {}}, 1, "model._target_"),
     ({"model___target_": "tests.user_model.two_tower", "model__args": {"in_features": 32}}, 1, "model.args"),
-    ({"model___target_": "tests.user_model.no_rule", "model__name": "custom", "model__args": {}}, 1, "model"),
+    ({"model___target_": "tests.user_model.no_rule", "model__name": "custom", "model__args": {}, "model__init": "name"},
+     1, "model.init"),
+    ({"model__init": "random"}, 1, "model.init"),
 ]
 
 

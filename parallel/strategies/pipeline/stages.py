@@ -116,7 +116,7 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
             recompute_blocks(mod, [n for n in split.blocks if n in called])
         if transform is not None:
             transform(mod, blocks)
-        materialize_and_init(mod, device, cfg.trainer.seed, plan)
+        materialize_and_init(mod, device, plan, runtime.values)
         # Shapes are found at the first step (PyTorch's runtime inference); only
         # floating-point tensors cross stages (split._float_boundaries), which that allows.
         given = {}

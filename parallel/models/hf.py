@@ -1,0 +1,86 @@
+"""`model=hf`: a Hugging Face transformers model from a directory on disk, without a wrapper.
+
+The architecture comes from the directory's `config.json` (`architectures`, or `model.auto_class`), with
+`model.config` overrides; the model is built as `from_config` builds it (its own `_init_weights`), and its
+weights are loaded from the directory when it has them and `model.pretrained` is true (parallel.init.values).
+Nothing is downloaded: the directory is read with `local_files_only`, and Hugging Face's hub is kept offline.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import nn
+
+from parallel.config import ConfigError, ModelConfig, fail
+from parallel.init.files import has_weights
+
+AUTO_CLASSES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+                "AutoModelForTokenClassification", "AutoModelForImageClassification", "AutoModelForQuestionAnswering",
+                "AutoModelForSeq2SeqLM")
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a directory on disk only: never reach the hub
+    try:
+        import transformers  # an optional extra: imported only when model=hf asks for it
+    except ImportError:
+        raise ConfigError("model=hf needs Hugging Face transformers: pip install -e \".[hf]\"") from None
+    return transformers
+
+
+def hf_config(path: str, overrides: dict | None = None):
+    """The directory's config with `overrides` set (each must be a key the config has)."""
+    transformers = _transformers()
+    if not (Path(path) / "config.json").is_file():
+        fail("model.path", path, "has no config.json (a Hugging Face model directory, as save_pretrained writes)")
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    for key, value in (overrides or {}).items():
+        if not hasattr(config, key):
+            fail(f"model.config.{key}", value, f"is not a setting of {type(config).__name__}")
+        setattr(config, key, value)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # training: no key/value cache is kept between steps
+    return config
+
+
+def hf_class(config, auto_class: str | None):
+    """The class that builds the model: an Auto class by name, or the config's first architecture."""
+    transformers = _transformers()
+    if auto_class is not None:
+        if auto_class not in AUTO_CLASSES and not (auto_class.startswith("AutoModel")
+                                                   and hasattr(transformers, auto_class)):
+            fail("model.auto_class", auto_class, "is not a transformers Auto class", list(AUTO_CLASSES))
+        return getattr(transformers, auto_class)
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        fail("model.auto_class", None, "config.json names no architectures: set the Auto class to build it with",
+             list(AUTO_CLASSES))
+    if not hasattr(transformers, architectures[0]):
+        fail("model.path", None, f"config.json's architecture {architectures[0]} is not in transformers "
+             f"{transformers.__version__}")
+    return getattr(transformers, architectures[0])
+
+
+def hf_model(path: str, auto_class: str | None = None, config: dict | None = None) -> nn.Module:
+    """The model of the directory `path`, as `from_config` builds it (its own initialization)."""
+    conf = hf_config(path, config)
+    cls = hf_class(conf, auto_class)
+    if auto_class is not None:
+        try:
+            return cls.from_config(conf)
+        except ValueError as e:
+            fail("model.auto_class", auto_class, f"cannot build {type(conf).__name__}: {str(e).splitlines()[0]}")
+    return cls._from_config(conf)
+
+
+def hf_args(m: ModelConfig) -> dict:
+    """`hf_model`'s arguments from the model group."""
+    if m.path is None or m.path == "???":
+        fail("model.path", m.path, "model=hf builds the model of a directory: set model.path=DIR")
+    return {"path": m.path, "auto_class": m.auto_class, "config": dict(m.config)}
+
+
+def hf_weights(m: ModelConfig) -> str | None:
+    """The directory's weights when they are to be loaded (model.pretrained and the directory has them)."""
+    return m.path if m.pretrained and m.path and has_weights(m.path) else None

@@ -1,0 +1,121 @@
+"""The run's initial values (Note [initial values] in parallel/init/values.py): the model's own, built once on
+rank 0; pretrained weight files; or names. Also the check that weight files fit the model, before any worker
+starts."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.config import ModelConfig, fail
+from parallel.init import InitPlan, init_plan
+from parallel.init.by_name import name_seed
+from parallel.init.files import WeightFileError, WeightFiles, save_weights
+from parallel.init.values import ByName, ConstructedBuffers, FromFiles, Values
+from parallel.models.build import model_args, resolve_factory, weights_path
+
+SHOWN = 8  # names listed per kind of problem; the rest are counted
+log = logging.getLogger("parallel")
+
+
+def build_own_model(m: ModelConfig, seed: int) -> nn.Module:
+    """The model exactly as the user's code makes it on the CPU: `torch.manual_seed(seed); factory(**args)`.
+    A module that follows the framework's `init_parameter(name, tensor, generator)` protocol then fills its
+    own tensors as it asks (seeded by name, as under model.init=name)."""
+    torch.manual_seed(seed)
+    model = resolve_factory(m)(**model_args(m))
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            if hasattr(module, "init_parameter"):
+                for local, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+                    fqn = f"{mod_name}.{local}" if mod_name else local
+                    module.init_parameter(local, t.data, torch.Generator().manual_seed(name_seed(seed, fqn)))
+    return model
+
+
+def write_own_weights(m: ModelConfig, seed: int, path: Path) -> None:
+    """Build the model as the user's code does and write every tensor once (a tied one under its first name,
+    non-persistent buffers included) to the safetensors file `path`."""
+    model = build_own_model(m, seed)
+    tensors = {fqn: getattr(e.module, e.local_name) for fqn, e in init_plan(model).items() if fqn == e.canonical}
+    save_weights(tensors, str(path))
+
+
+def _on_rank0(write, path: Path) -> None:
+    """`write(path)` on global rank 0 (an error there reaches every rank), then every rank goes on."""
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            write(path)
+        except Exception as e:  # noqa: BLE001 - handed to every rank below, then raised on each
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RuntimeError(f"building the model's initial weights on rank 0 failed: {error}")
+
+
+def initial_values(m: ModelConfig, seed: int, run_dir: Path, model: nn.Module, plan: InitPlan) -> Values:
+    """This run's `Values` (collective: every rank calls it). `model` is the meta model, `plan` its names."""
+    weights = weights_path(m)
+    if m.init == "name":
+        own: Values = ByName(seed, model)
+    elif weights is None or (not m.strict and _missing(m, weights, model, plan)):
+        path = Path(run_dir) / "initial_weights.safetensors"  # removed once every rank has read it (`done`)
+        _on_rank0(lambda p: write_own_weights(m, seed, p), path)
+        own = FromFiles(WeightFiles(str(path)), plan)
+    else:
+        own = ConstructedBuffers(lambda: resolve_factory(m)(**model_args(m)), seed)
+    if weights is None:
+        return own
+    return FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", ""), own)
+
+
+def done(run_dir: Path) -> None:
+    """Every rank has its values: remove the file rank 0 wrote for them."""
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (Path(run_dir) / "initial_weights.safetensors").unlink(missing_ok=True)
+
+
+def _missing(m: ModelConfig, weights: str, model: nn.Module, plan: InitPlan) -> list[str]:
+    return FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", "")).problems(plan, {})[0]
+
+
+def check_weights(m: ModelConfig, model: nn.Module) -> None:
+    """The weight files exist, can be read, and fit `model` (the meta model): names and shapes. With
+    model.strict=false, what is missing or ignored is logged."""
+    weights = weights_path(m)
+    if weights is None:
+        return
+    key = "model.weights" if m.weights is not None else "model.path"
+    try:
+        files = WeightFiles(weights)
+    except WeightFileError as e:
+        fail(key, weights, str(e))
+    plan = init_plan(model)
+    shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(remove_duplicate=False),
+                                              *model.named_buffers(remove_duplicate=False)]}
+    missing, unexpected, mismatched = FromFiles(files, plan, getattr(model, "base_model_prefix", "")).problems(
+        plan, shapes)
+    files.close()
+    if mismatched:
+        fail(key, weights, f"{len(mismatched)} tensors have another shape than the model's: {_listed(mismatched)}")
+    if m.strict and (missing or unexpected):
+        found = [f"missing {len(missing)}: {_listed(missing)}" if missing else "",
+                 f"unexpected {len(unexpected)}: {_listed(unexpected)}" if unexpected else ""]
+        fail(key, weights, f"do not fit {type(model).__name__}; " + "; ".join(f for f in found if f),
+             "model.strict=false keeps the initial values of missing tensors and ignores unexpected ones")
+    for what, names in (("lack; initial values kept for", missing), ("hold, ignored:", unexpected)):
+        if names:
+            log.warning("the weights %s %s %d tensors (%s)", weights, what, len(names), _listed(names))
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")

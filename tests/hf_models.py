@@ -1,0 +1,126 @@
+"""Small models as users bring them, for tests: Hugging Face models built from a config (nothing downloaded),
+hand-written models with their own initialization, and the plain PyTorch loop a user would write to train
+them, which every strategy is compared with."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.config import DataConfig
+from parallel.data import SyntheticData
+
+# Every HF test runs with these (a constant learning rate keeps the plain loop the user's own).
+HF_FAST = ["trainer.steps=4", "trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true",
+           "trainer.timeout_s=60", "optim.schedule=constant", "trainer.batch_size=8"]
+
+
+def llama(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
+          kv_heads: int = 2, tie: bool = False, **config):
+    """LlamaForCausalLM: grouped-query attention (kv_heads < heads), rotary embeddings, RMSNorm."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
+                      tie_word_embeddings=tie, use_cache=False, **config)
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
+         dropout: float = 0.0):
+    """GPT2LMHeadModel: Conv1D layers, learned positions, the output head tied to the token embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=dim, n_layer=layers, n_head=heads,
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def bert_classifier(vocab_size: int = 64, seq_len: int = 16, classes: int = 4, dim: int = 32, layers: int = 2,
+                    heads: int = 4, dropout: float = 0.0):
+    """BertForSequenceClassification: an encoder with a pooler and a classification head."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=vocab_size, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=2 * dim, max_position_embeddings=seq_len, num_labels=classes,
+                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return BertForSequenceClassification(cfg)
+
+
+class BatchNormCNN(nn.Module):
+    """Convolutions with BatchNorm over a flat feature vector read as a one-channel square image."""
+
+    def __init__(self, features: int, classes: int, width: int, depth: int):
+        super().__init__()
+        self.side = int(features ** 0.5)
+        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width),
+                                                  nn.ReLU()) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = self.stem(x.view(x.shape[0], 1, self.side, self.side))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def batchnorm_cnn(features: int = 64, classes: int = 10, width: int = 8, depth: int = 2) -> nn.Module:
+    return BatchNormCNN(features, classes, width, depth)
+
+
+class Bare(nn.Module):
+    """Bare parameters set in the constructor (a learned position table of zeros, a scale of ones), a weight
+    tied between the token embedding and the output head, and a non-persistent buffer computed in __init__."""
+
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.register_buffer("decay", 0.5 ** torch.arange(dim, dtype=torch.float32) / dim, persistent=False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+                                    for _ in range(layers))
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            self.pos.normal_(0.0, 0.02)
+
+    def forward(self, x):
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            h = h + block(h) * (1 + self.decay)
+        return self.head(h * self.scale)
+
+
+def bare(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2) -> nn.Module:
+    return Bare(vocab_size, seq_len, dim, layers)
+
+
+def logits(out):
+    """What a user's loop reads from a model's output."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def plain_loop(factory, kwargs: dict, data: DataConfig, steps: int = 4, batch_size: int = 8, seed: int = 0,
+               lr: float = 5e-3, weight_decay: float = 0.01, clip: float = 1.0, model: nn.Module | None = None):
+    """The user's own training script: seed, build, AdamW, the same batches; returns (losses, final state)."""
+    torch.manual_seed(seed)
+    model = factory(**kwargs) if model is None else model
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    source = SyntheticData(data, seed, batch_size)
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = source.global_batch(step)
+        out = logits(model(x)).float()
+        loss = F.cross_entropy(out.flatten(0, 1), y.flatten()) if data.task == "lm" else \
+            F.cross_entropy(out, y) if data.task == "classification" else F.mse_loss(out, y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64), {k: v.detach().clone() for k, v in model.state_dict().items()}
