@@ -97,9 +97,7 @@ def validate(cfg: Config, world_size: int) -> None:
         check_plan(build_meta_model(cfg.model), cfg)
     if pipelined(s):
         check_split(build_meta_model(cfg.model), cfg)
-    if cfg.data.name == "shards" or not cfg.model._target_:
-        # A user's model may do what meta tensors cannot (read a value): only the shards' own shapes ask it to.
-        check_model_takes_data(cfg)
+    check_model_takes_data(cfg)
 
 
 def _check_batch(cfg: Config) -> int:

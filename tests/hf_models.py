@@ -98,6 +98,11 @@ def bare(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2
     return Bare(vocab_size, seq_len, dim, layers)
 
 
+def hidden_states_only(vocab_size: int = 64, seq_len: int = 16, dim: int = 32):
+    """A Hugging Face base model: its output holds hidden states, no logits (a bad input for training)."""
+    return llama(vocab_size, seq_len, dim).model
+
+
 def logits(out):
     """What a user's loop reads from a model's output."""
     return out if isinstance(out, torch.Tensor) else out.logits

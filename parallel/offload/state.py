@@ -63,8 +63,10 @@ class OffloadState:
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
-        """Every parameter and buffer under its original name (CPU tensors)."""
+        """Every parameter and persistent buffer under its original name (CPU tensors)."""
         state = {}
+        persistent = {f"{m}.{n}" if m else n for m, module in self.model.named_modules()
+                      for n in module._buffers if n not in module._non_persistent_buffers_set}
         for b in self.layout.blocks:
             was_bound = b.buffer is not None
             self.stream.ensure(b)
@@ -76,7 +78,8 @@ class OffloadState:
             if id(p) not in self.layout.block_of:
                 state[fqn] = p.detach().cpu().clone()
         for fqn, buf in self.model.named_buffers():
-            state[fqn] = buf.detach().cpu().clone()
+            if fqn in persistent:  # as nn.Module.state_dict: non-persistent buffers are not saved
+                state[fqn] = buf.detach().cpu().clone()
         return state
 
     @torch.no_grad()
