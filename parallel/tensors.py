@@ -1,6 +1,8 @@
 """Small tensor helpers shared by the strategies, the trainer and the memory counts."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -36,8 +38,16 @@ def meta_forward(fn, *args, **kwargs):
     positions) takes its tracing path on fake tensors and fails on plain meta ones; inside a fake mode
     already (the planner) nothing changes.
     """
-    with torch.no_grad():
-        if detect_fake_mode() is not None:
+    if detect_fake_mode() is not None:
+        with torch.no_grad():
             return fn(*args, **kwargs)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+    # A failing op is the caller's to report (a shape that does not fit is a config error); the fake mode
+    # would also log its traceback.
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    was = quiet.disabled
+    quiet.disabled = True
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
             return fn(*args, **kwargs)
+    finally:
+        quiet.disabled = was
