@@ -85,6 +85,9 @@ BAD = [
     ({"model___target_": "tests.user_model.no_rule", "model__name": "custom", "model__args": {}, "model__init": "name"},
      1, "model.init"),
     ({"model__init": "random"}, 1, "model.init"),
+    ({"model__name": "hf"}, 1, "model.path"),  # no directory given
+    ({"model__name": "hf", "model__path": "/no/such/dir"}, 1, "model.path"),  # no config.json there
+    ({"model__weights": "/no/such/weights.safetensors"}, 1, "model.weights"),
 ]
 
 
