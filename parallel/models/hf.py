@@ -84,3 +84,50 @@ def hf_args(m: ModelConfig) -> dict:
 def hf_weights(m: ModelConfig) -> str | None:
     """The directory's weights when they are to be loaded (model.pretrained and the directory has them)."""
     return m.path if m.pretrained and m.path and has_weights(m.path) else None
+
+
+# Note [Hugging Face tensor-parallel plans]
+# A transformers model carries its own plan: `_tp_plan` on the instance (transformers merges the class's
+# plan, the config's `base_model_tp_plan` under the base model's prefix, and an `embed_tokens` entry), also
+# read through the `tp_plan` property; module-name patterns -> HF style names. The framework takes it as the
+# model's own plan (parallel.strategies.tensor.resolve_plan), with the HF names turned into the framework's
+# styles of the same placements: weights split alike, inputs and outputs laid out alike.
+HF_STYLES = {
+    "colwise": "colwise",                      # weight rows (output features) split, output kept split
+    "rowwise": "rowwise",                      # weight columns (input features) split, output summed
+    "colwise_gather_output": "colwise_gather",  # colwise, output gathered whole (lm_head)
+    "colwise_rep": "colwise_gather",
+    "rowwise_split_input": "rowwise_split",    # rowwise taking a whole input, cut on each rank
+    "rowwise_rep": "rowwise_split",
+    "embedding_rowwise": "rowwise",            # an Embedding's rows (the vocabulary) split, lookups summed
+    "embedding_colwise": "colwise_gather",     # an Embedding's features split, output gathered whole
+    "replicate": "replicate",
+}
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan a Hugging Face model carries, in the framework's style names (Note [Hugging
+    Face tensor-parallel plans]); None when it carries none (GPT-2 and BERT in transformers 5.x) or is not a
+    transformers model.
+
+    Raises:
+        ConfigError: the plan uses a style the framework has no equivalent of (packed, expert-parallel, ...).
+    """
+    plan = getattr(model, "_tp_plan", None)
+    config = getattr(model, "config", None)
+    if not isinstance(plan, dict) or config is None:
+        return None
+    plan = dict(plan)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan and base:  # a plan not merged onto the instance (a model built without post_init)
+        prefix = getattr(model, "base_model_prefix", "")
+        inner = prefix and hasattr(model, prefix)
+        plan = {f"{prefix}.{k}" if inner else k: v for k, v in base.items()}
+    if not plan:
+        return None
+    unknown = {k: v for k, v in plan.items() if v not in HF_STYLES}
+    if unknown:
+        raise ConfigError(f"strategy.tp_plan=[]: {type(model).__name__}'s own (Hugging Face) tensor-parallel plan "
+                          f"uses styles with no equivalent here: {unknown} (mapped: {sorted(HF_STYLES)}); give "
+                          f"strategy.tp_plan=[pattern:style,...] with the framework's styles instead")
+    return {k: HF_STYLES[v] for k, v in plan.items()}

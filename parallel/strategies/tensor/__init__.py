@@ -1,0 +1,215 @@
+"""strategy=model: tensor (intra-layer) parallelism with DTensor's parallelize_module.
+
+A plan maps module names to PyTorch ParallelStyles. It comes from, in this order:
+  1. `strategy.tp_plan`: entries "pattern:style", the pattern matching module names
+     with `*` wildcards (e.g. `strategy.tp_plan=[layers.*.up:colwise,layers.*.down:rowwise]`);
+  2. the model's own: a built-in model's `tp_plan(tp)` method, or the plan a Hugging
+     Face model carries (`_tp_plan` / its config's `base_model_tp_plan`), its style
+     names turned into these (Note [Hugging Face tensor-parallel plans], parallel/models/hf.py);
+  3. inferred from the forward (`infer_plan`): Linears (or Hugging Face Conv1Ds) called
+     one right after the other, with only elementwise ops between them and matching
+     widths, become colwise -> rowwise pairs;
+  4. else a ConfigError asks for strategy.tp_plan.
+
+Style names (parallel.strategies.tensor.styles):
+    colwise         ColwiseParallel: weight split by output features; input
+                    replicated, output sharded on the last dimension.
+    rowwise         RowwiseParallel: weight split by input features; input
+                    sharded on the last dimension, output all-reduced (replicated).
+                    On an nn.Embedding: its rows (the vocabulary) split, token ids whole.
+    colwise_gather  ColwiseParallel whose output is gathered (replicated): for a
+                    last layer whose full output the loss needs.
+    rowwise_split   RowwiseParallel taking a whole (replicated) input, which each rank cuts.
+    sequence        SequenceParallel: norms and dropout on sequence shards.
+    positions       PositionwiseParallel (parallel.layers): a locally connected
+                    layer's output positions split over the ranks; input
+                    replicated, output gathered (whole).
+    replicate       leave the module whole on every rank.
+Sequence parallelism (`strategy.sequence_parallel=true`) adds styles that move
+activations between sequence shards (dimension 1) and whole tensors:
+    seq_split       the module's input is cut into this rank's sequence shard.
+    seq_gather      the module's input is gathered from sequence shards (all-gather).
+    rowwise_seq     RowwiseParallel whose output is reduce-scattered into sequence shards.
+    colwise_seq_gather  ColwiseParallel taking sequence shards, output gathered.
+A colwise layer must feed a rowwise one through elementwise ops only (an
+activation), so that each rank's shard of features stays its own; inside an
+attention module, each rank's shard must be whole heads (checks.check_heads).
+Hugging Face's Conv1D (GPT-2) takes colwise, colwise_gather, rowwise and
+rowwise_split with its transposed weight split accordingly (Note [Conv1D] in styles).
+"""
+from __future__ import annotations
+
+import fnmatch
+import inspect
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from parallel.config import Config, ConfigError, StrategyConfig, fail
+from parallel.data import example_input
+from parallel.metrics import log
+from parallel.models.hf import hf_tp_plan
+from parallel.runtime import Runtime
+from parallel.strategies.tensor.checks import check_heads, check_module, check_ties
+from parallel.strategies.tensor.infer import infer_plan
+from parallel.strategies.tensor.styles import STYLES, make_style
+
+__all__ = ["STYLES", "apply_tensor", "check_plan", "check_tensor_keys", "infer_plan", "resolve_plan", "shard",
+           "tensor_plan"]
+
+
+def resolve_plan(model: nn.Module, cfg: Config, example: tuple = ()) -> dict[str, str]:
+    """Module name -> style name, from strategy.tp_plan, the model's own plan, or inferred; checked.
+
+    Args:
+        model: the unpartitioned model on the meta device.
+        cfg: the run config (strategy.tp, tp_plan, sequence_parallel).
+        example: meta inputs of one batch, to infer a plan from the forward.
+
+    Raises:
+        ConfigError: unknown style, a pattern matching no module, a style on a module it cannot shard, a
+            width or a head count that does not divide by tp, tied weights split differently, or a model
+            without a plan.
+    """
+    return _resolve(model, cfg, example)[0]
+
+
+def _resolve(model: nn.Module, cfg: Config, example: tuple) -> tuple[dict[str, str], str]:
+    """(the checked plan, where it came from: "config", "model", "hugging face" or "inferred")."""
+    tp, sp = cfg.strategy.tp, cfg.strategy.sequence_parallel
+    if cfg.strategy.tp_plan:
+        plan, source = _expand(model, _parse(cfg.strategy.tp_plan)), "config"
+    elif callable(getattr(model, "tp_plan", None)):  # a built-in model's method
+        plan, source = _method_plan(model, tp, sp), "model"
+    elif (hf := hf_tp_plan(model)) is not None:
+        if sp:
+            raise ConfigError(f"strategy.sequence_parallel=true: {type(model).__name__}'s own plan has no "
+                              f"sequence parallelism; give strategy.tp_plan with the seq_* styles, or set it false")
+        plan, source = _expand(model, hf, strict=False), "hugging face"
+    else:
+        if sp:
+            raise ConfigError("strategy.sequence_parallel=true: an inferred plan has no sequence parallelism; "
+                              "give strategy.tp_plan with the seq_* styles")
+        plan, source = infer_plan(model, example), "inferred"
+    try:
+        _check(model, plan, tp)
+    except ConfigError as e:
+        if source not in ("hugging face", "inferred"):
+            raise
+        whose = "inferred" if source == "inferred" else f"{type(model).__name__}'s own (Hugging Face) plan"
+        raise ConfigError(f"{e} [the plan checked: {whose}; strategy.tp_plan=[pattern:style,...] replaces it]") \
+            from None
+    return plan, source
+
+
+def _check(model: nn.Module, plan: dict[str, str], tp: int) -> None:
+    for name, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"strategy.tp_plan[{name!r}]={style!r}: unknown style (valid: {sorted(STYLES)})")
+    check_heads(model, plan, tp)  # before widths: a head count names the config key to change
+    for name, style in plan.items():
+        check_module(model.get_submodule(name), name, style, tp)
+    check_ties(model, plan)
+
+
+def _method_plan(model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
+    """The plan of a model's own `tp_plan(tp[, sequence_parallel])` method (the built-in models)."""
+    takes_sp = "sequence_parallel" in inspect.signature(model.tp_plan).parameters
+    if sp and not takes_sp:
+        raise ConfigError(f"strategy.sequence_parallel=true: {type(model).__name__} has no sequence-parallel "
+                          f"plan (give strategy.tp_plan with the seq_* styles, or set it false)")
+    try:
+        return model.tp_plan(tp, sequence_parallel=sp) if takes_sp else model.tp_plan(tp)
+    except ValueError as e:
+        raise ConfigError(f"strategy.tp={tp}: {e}") from None
+
+
+def _parse(entries: list[str]) -> dict[str, str]:
+    """["pattern:style", ...] -> {pattern: style}."""
+    plan = {}
+    for entry in entries:
+        pattern, sep, style = str(entry).rpartition(":")
+        if not sep or not pattern:
+            raise ConfigError(f"strategy.tp_plan entry {entry!r}: must be 'pattern:style', "
+                              f"e.g. 'layers.*.up:colwise' (styles: {sorted(STYLES)})")
+        plan[pattern.strip()] = style.strip()
+    return plan
+
+
+def _expand(model: nn.Module, patterns: dict[str, str], strict: bool = True) -> dict[str, str]:
+    """{pattern: style} -> {module name: style}; a later pattern wins. `strict`: a pattern matching no
+    module is an error (the user's; a Hugging Face plan may name modules a configuration leaves out)."""
+    names = [n for n, _ in model.named_modules() if n]
+    plan: dict[str, str] = {}
+    for pattern, style in patterns.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits and strict:
+            raise ConfigError(f"strategy.tp_plan[{pattern!r}]: the pattern matches no module "
+                              f"(modules: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''})")
+        for n in hits:
+            plan[n] = style
+    return plan
+
+
+def tensor_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
+    """The checked plan for `model` (on meta); an inferred or a Hugging Face one is printed."""
+    plan, source = _resolve(model, cfg, example_input(cfg.data))
+    if source in ("inferred", "hugging face"):
+        what = "inferred" if source == "inferred" else f"{type(model).__name__}'s own (Hugging Face)"
+        log.info("%s tensor-parallel plan (set strategy.tp_plan to change it): %s", what,
+                 ", ".join(f"{n}:{s}" for n, s in plan.items()))
+    return plan
+
+
+def shard(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """Apply the plan's styles to `module` (on meta) over the mesh's `tp` dimension, in place.
+
+    Names in the plan that `module` does not hold are skipped: a pipeline stage
+    takes the entries for its own layers. A weight tied between modules (which
+    the plan check made sure are split alike) is one parameter again afterwards:
+    each style replaces its module's parameters with DTensors of its own.
+    """
+    held = dict(module.named_modules())
+    styles = {n: make_style(s, held[n]) for n, s in plan.items() if n in held}
+    styles = {n: style for n, style in styles.items() if style is not None}
+    if not styles:
+        return
+    tied = _tied(module)
+    parallelize_module(module, mesh["tp"], styles)
+    for places in tied:
+        (first, name), rest = places[0], places[1:]
+        for mod, attr in rest:
+            mod.register_parameter(attr, getattr(first, name))
+
+
+def _tied(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) places of each parameter held in more than one place."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((mod, attr))
+    return [v for v in places.values() if len(v) > 1]
+
+
+def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
+    """Shard `model` (on meta) over the mesh's `tp` dimension by its plan, in place."""
+    shard(model, mesh, tensor_plan(model, cfg))
+    return model
+
+
+def check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
+    """tp_plan and sequence_parallel are set only where layers are split over tensor-parallel ranks."""
+    rule = "strategy=model, or strategy=hybrid with strategy.tp > 1"
+    if s.tp_plan and not allowed:
+        fail("strategy.tp_plan", list(s.tp_plan), f"a tensor-parallel plan needs {rule}")
+    if s.sequence_parallel and not allowed:
+        fail("strategy.sequence_parallel", True,
+             f"sequence parallelism shards between tensor-parallel layers: it needs {rule}")
+
+
+def check_plan(model: nn.Module, cfg: Config) -> None:
+    """The plan resolves against the model (on meta): styles known, patterns matched, widths and head counts
+    divisible, tied weights split alike."""
+    resolve_plan(model, cfg, example_input(cfg.data))

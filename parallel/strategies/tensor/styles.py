@@ -1,0 +1,133 @@
+"""The style names a tensor-parallel plan uses, and the PyTorch ParallelStyle each one makes for a module.
+
+Most styles are PyTorch's own (ColwiseParallel, RowwiseParallel, SequenceParallel,
+PrepareModuleInput). Two module kinds take a style of their own:
+- nn.Embedding under `rowwise`: its rows (the vocabulary) are split and the token
+  ids come in whole (RowwiseParallel with a replicated input: an id is never split
+  by features). Each rank looks up the ids in its rows; the lookups are summed.
+- Hugging Face's `Conv1D` (GPT-2's layers), Note [Conv1D] below.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from parallel.layers import LocallyConnected1d, LocallyConnected2d, PositionwiseParallel
+
+SEQ = Shard(1)  # activations are (batch, sequence, features)
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "sequence": lambda: SequenceParallel(),
+    "replicate": None,
+    "positions": lambda: PositionwiseParallel(),
+    "seq_split": lambda: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(SEQ,),
+                                            use_local_output=True),
+    "seq_gather": lambda: PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True),
+    "rowwise_seq": lambda: RowwiseParallel(output_layouts=SEQ),
+    "colwise_seq_gather": lambda: ColwiseParallel(input_layouts=SEQ, output_layouts=Replicate()),
+}
+SHARDS_OUTPUT = ("colwise", "colwise_gather", "colwise_seq_gather")
+SHARDS_INPUT = ("rowwise", "rowwise_split", "rowwise_seq")
+KEEPS_OUTPUT_SHARDED = ("colwise",)  # the next layer sees this rank's slice of the features (of the heads)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's `Conv1D` (transformers.pytorch_utils), told by its shape, without importing transformers."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A layer a colwise or rowwise style splits by features: nn.Linear or Hugging Face's Conv1D."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def make_style(style: str, module: nn.Module):
+    """The ParallelStyle of `style` for `module`, or None for `replicate`."""
+    if is_conv1d(module) and style in SHARDS_OUTPUT + SHARDS_INPUT:
+        return _conv1d_style(style)
+    if style == "rowwise" and isinstance(module, nn.Embedding):
+        return RowwiseParallel(input_layouts=Replicate())  # token ids come in whole (module docstring)
+    factory = STYLES[style]
+    return factory() if factory is not None else None
+
+
+def weight_placement(style: str | None, module: nn.Module):
+    """How `style` places `module.weight` (Shard(dim) or None for whole): tied weights must agree."""
+    if style == "positions":
+        return Shard(0)
+    if style not in SHARDS_OUTPUT + SHARDS_INPUT:
+        return None
+    output = style in SHARDS_OUTPUT
+    if is_conv1d(module):  # (in, out)
+        return Shard(1 if output else 0)
+    if isinstance(module, nn.Embedding):  # (rows, features)
+        return Shard(1 if output else 0)
+    return Shard(0 if output else 1)  # nn.Linear: (out, in)
+
+
+def can_take(style: str, module: nn.Module) -> bool:
+    """Whether `style` can shard `module`'s kind of layer."""
+    if style == "positions":
+        return isinstance(module, (LocallyConnected1d, LocallyConnected2d))
+    if style in SHARDS_OUTPUT + SHARDS_INPUT:
+        if is_conv1d(module):
+            return style in ("colwise", "colwise_gather", "rowwise", "rowwise_split")
+        return isinstance(module, (nn.Linear, nn.Embedding))
+    return True
+
+
+# Note [Conv1D]
+# Hugging Face's Conv1D (GPT-2's c_attn, c_proj, c_fc) computes x @ weight + bias with its weight stored
+# (in_features, out_features): nn.Linear's transposed. PyTorch's Colwise/RowwiseParallel take nn.Linear and
+# nn.Embedding only, so these two styles do the same for Conv1D with the dimensions swapped: colwise splits
+# the weight's dimension 1 and the bias (output features), rowwise the weight's dimension 0 (input features)
+# with the bias whole. The forward then runs Conv1D's own code on DTensors (addmm and views of global
+# shapes), and the parameters keep Conv1D's layout and names, so initial values and saved weights are the
+# unsharded model's. A Conv1D that packs several projections (GPT-2's c_attn: q, k and v side by side) must
+# not be split colwise with its output kept split (a rank would get all of q and half of k): the plan check
+# refuses it (parallel.strategies.tensor.checks.check_heads).
+
+def _distribute(placements: dict, name, module, mesh) -> None:
+    for pname, placement in placements.items():
+        param = getattr(module, pname, None)
+        if param is not None:
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                          requires_grad=param.requires_grad))
+
+
+class Conv1DColwise(ColwiseParallel):
+    """ColwiseParallel for Hugging Face's Conv1D: output features split (Note [Conv1D])."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, partial(_distribute, {"weight": Shard(1), "bias": Shard(0)}),
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """RowwiseParallel for Hugging Face's Conv1D: input features split, bias whole (Note [Conv1D])."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(module, device_mesh,
+                                 partial(_distribute, {"weight": Shard(0), "bias": Replicate()}),
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def _conv1d_style(style: str):
+    return {"colwise": lambda: Conv1DColwise(), "colwise_gather": lambda: Conv1DColwise(output_layouts=Replicate()),
+            "rowwise": lambda: Conv1DRowwise(),
+            "rowwise_split": lambda: Conv1DRowwise(input_layouts=Replicate())}[style]()
