@@ -1,0 +1,105 @@
+"""Tensor-parallel plans of Hugging Face models (tests/hf_models.py): the model's own plan in the framework's
+style names, inferred plans over GPT-2's Conv1D layers and BERT, and the config errors for plans that cannot
+shard the model as asked (head counts, packed projections, tied weights, styles without an equivalent)."""
+import pytest
+import torch
+
+from parallel.config import Config, ConfigError
+from parallel.data import example_input
+from parallel.models.build import build_meta_model
+from parallel.strategies.tensor import resolve_plan
+from parallel.strategies.tensor.styles import Conv1DColwise, Conv1DRowwise, make_style
+from parallel.validate import validate
+from tests import hf_models
+
+
+def _cfg(model: str, args: dict | None = None, plan=(), tp: int | None = 2, **data) -> Config:
+    cfg = Config()
+    cfg.strategy.name, cfg.strategy.tp, cfg.strategy.tp_plan = "model", tp, list(plan)
+    cfg.model.name, cfg.model._target_, cfg.model.args = "custom", f"tests.hf_models.{model}", dict(args or {})
+    cfg.data.task, cfg.data.seq_len = "lm", 16
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    return cfg
+
+
+def _plan(cfg: Config) -> dict[str, str]:
+    validate(cfg, cfg.strategy.tp)
+    return resolve_plan(build_meta_model(cfg.model), cfg, example_input(cfg.data))
+
+
+def test_llama_takes_its_own_plan_in_the_frameworks_style_names():
+    plan = _plan(_cfg("llama"))
+    assert plan["model.embed_tokens"] == "rowwise"  # HF embedding_rowwise: the vocabulary split
+    assert plan["lm_head"] == "colwise_gather"  # HF colwise_gather_output
+    for i in (0, 1):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        assert {plan[f"{attn}.{p}"] for p in ("q_proj", "k_proj", "v_proj")} == {"colwise"}
+        assert plan[f"{attn}.o_proj"] == plan[f"{mlp}.down_proj"] == "rowwise"
+        assert plan[f"{mlp}.gate_proj"] == plan[f"{mlp}.up_proj"] == "colwise"
+
+
+def test_gpt2_and_bert_plans_are_inferred():
+    gpt2 = _plan(_cfg("gpt2"))
+    assert gpt2 == {f"transformer.h.{i}.mlp.{n}": s for i in (0, 1) for n, s in (("c_fc", "colwise"),
+                                                                               ("c_proj", "rowwise"))}
+    bert = _plan(_cfg("bert_classifier", task="classification", inputs="tokens", classes=4))
+    assert bert["bert.encoder.layer.0.intermediate.dense"] == "colwise"
+    assert bert["bert.encoder.layer.0.output.dense"] == "rowwise"
+    assert bert["bert.pooler.dense"] == "colwise" and bert["classifier"] == "rowwise"
+
+
+def test_conv1d_takes_styles_that_split_its_transposed_weight():
+    with torch.device("meta"):
+        block = hf_models.gpt2().transformer.h[0]
+    assert type(make_style("colwise", block.mlp.c_fc)) is Conv1DColwise
+    assert type(make_style("rowwise", block.mlp.c_proj)) is Conv1DRowwise
+    # The packed q, k, v may be split with its output gathered whole: each rank computes some columns.
+    cfg = _cfg("gpt2", plan=["transformer.h.*.attn.c_attn:colwise_gather", "transformer.h.*.attn.c_proj:replicate"])
+    assert _plan(cfg)["transformer.h.0.attn.c_attn"] == "colwise_gather"
+    # Widths are read from the right dimension: c_fc is (36, 144), so tp 8 splits its 144 outputs evenly.
+    assert _plan(_cfg("gpt2", {"dim": 36, "heads": 4}, tp=8))["transformer.h.0.mlp.c_fc"] == "colwise"
+
+
+BAD = {  # name -> (model, model args, tp, plan, what the error starts with, what it names)
+    "tp_not_dividing_kv_heads": ("llama", {}, 4, (), "strategy.tp=4", "num_key_value_heads=2"),
+    "tp_not_dividing_heads": ("llama", {"heads": 6, "kv_heads": 6, "dim": 48}, 4, (), "strategy.tp=4",
+                              "num_attention_heads=6"),
+    "tp_not_dividing_heads_gqa": ("llama", {"heads": 4, "kv_heads": 2}, 3, (), "strategy.tp=3",
+                                  "num_attention_heads=4"),
+    "packed_qkv_colwise": ("gpt2", {}, 2, ["transformer.h.*.attn.c_attn:colwise", "transformer.h.*.attn.c_proj:rowwise"],
+                           "strategy.tp_plan['transformer.h.0.attn.c_attn']", "colwise_gather"),
+    "conv1d_sequence_style": ("gpt2", {}, 2, ["transformer.h.*.mlp.c_fc:colwise_seq_gather"],
+                              "strategy.tp_plan['transformer.h.0.mlp.c_fc']", "Conv1D"),
+    "tied_split_differently": ("llama", {"tie": True}, 2, ["lm_head:colwise_gather"], "strategy.tp_plan",
+                               "model.embed_tokens and lm_head share one weight"),
+    "conv1d_width_not_divisible": ("gpt2", {"dim": 36, "heads": 4}, 5, (), "strategy.tp=5",
+                                   "transformer.h.0.mlp.c_fc has 144 output features"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_hf_plans_fail_naming_the_key(case):
+    model, args, tp, plan, start, named = BAD[case]
+    with pytest.raises(ConfigError) as info:
+        _plan(_cfg(model, args, plan, tp))
+    message = str(info.value)
+    assert message.startswith(start) and named in message, message
+
+
+def test_a_tied_embedding_and_head_split_alike_are_accepted():
+    plan = _plan(_cfg("llama", {"tie": True}))  # rowwise embedding and colwise head both split the vocabulary
+    assert plan["model.embed_tokens"] == "rowwise" and plan["lm_head"] == "colwise_gather"
+
+
+def test_hf_styles_without_an_equivalent_and_sequence_parallel_are_config_errors():
+    cfg = _cfg("llama")
+    with torch.device("meta"):
+        model = hf_models.llama()
+    model._tp_plan = {"model.layers.*.mlp.gate_proj": "packed_colwise"}  # as a model with packed weights has
+    with pytest.raises(ConfigError, match="packed_colwise") as info:
+        resolve_plan(model, cfg)
+    assert str(info.value).startswith("strategy.tp_plan") and "give strategy.tp_plan" in str(info.value)
+    cfg.strategy.sequence_parallel = True
+    with pytest.raises(ConfigError, match="strategy.sequence_parallel=true: LlamaForCausalLM's own plan"):
+        _plan(cfg)
