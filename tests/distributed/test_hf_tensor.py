@@ -1,0 +1,36 @@
+"""strategy=model (tensor parallelism) and strategy=hybrid (dp x tp) on Hugging Face models train exactly as
+the user's own plain PyTorch loop (tests.hf_models.plain_loop): Llama by its own plan (grouped-query
+attention, a vocabulary-split embedding), GPT-2 by an inferred plan over its Conv1D layers, BERT by an
+inferred plan, each on 2 ranks; Llama on dp2 x tp2."""
+import pytest
+
+from tests import cli
+from tests.distributed.test_hf_models import DATA, args, assert_as_plain
+from tests.hf_models import HF_FAST
+
+TP2 = ["nproc=2", "strategy=model"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model", ["gpt2", "bert_classifier"])
+def test_inferred_plan_trains_as_the_users_own_loop(tmp_path, model):
+    proc = cli.run(args(model) + TP2 + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    assert "inferred tensor-parallel plan" in proc.stdout + proc.stderr
+    assert_as_plain(tmp_path, model)
+
+
+@pytest.mark.timeout(180)
+def test_llama_own_plan_from_a_directory_trains_as_from_pretrained(tmp_path, hf_dirs):
+    """model=hf: Llama's own plan (q, k, v colwise with 4 heads and 2 kv heads: 2 and 1 per rank; the
+    embedding split by vocabulary), each rank reading its pieces of the directory's weights."""
+    run = HF_FAST + ["model=hf", f"model.path={hf_dirs['llama']}"] + DATA["llama"][0] + TP2
+    proc = cli.run(run + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    assert "own (Hugging Face) tensor-parallel plan" in proc.stdout + proc.stderr
+    assert_as_plain(tmp_path, "llama", pretrained=hf_dirs["llama"])
+
+
+@pytest.mark.timeout(240)
+def test_llama_hybrid_dp2_tp2_trains_as_the_users_own_loop(tmp_path):
+    cli.run(args("llama") + ["nproc=4", "strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.zero=3",
+                             f"run_dir={tmp_path}"], cwd=tmp_path, timeout=220)
+    assert_as_plain(tmp_path, "llama")
