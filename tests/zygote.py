@@ -38,6 +38,15 @@ def _preload_strategies() -> None:
         importlib.import_module(f"parallel.strategies.{module.name}")
 
 
+def _preload_transformers() -> None:
+    """The Hugging Face models the tests build (transformers imports each model's module on first use)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as parallel/models/hf.py sets it before importing
+    import transformers
+
+    for name in ("LlamaForCausalLM", "GPT2LMHeadModel", "BertForSequenceClassification", "AutoModelForCausalLM"):
+        getattr(transformers, name)
+
+
 def _child(request: dict) -> None:
     """Become `python train.py *args` in the request's directory and environment; never returns."""
     code = 1
@@ -79,6 +88,7 @@ def _child(request: dict) -> None:
 
 def serve() -> None:
     _preload_strategies()
+    _preload_transformers()
     tasks = os.listdir("/proc/self/task")
     if len(tasks) != 1:
         raise RuntimeError(f"the zygote runs {len(tasks)} threads; a fork needs it to run one")
