@@ -17,7 +17,8 @@ MODELS = {  # name -> (factory, its arguments, the CLI's model arguments)
                      ["model=custom", "model._target_=tests.hf_models.gpt2", "+model.args.dropout=0.1"]),
 }
 CASES = {
-    "llama_offload_activations_on_disk": ("llama", ["strategy=offload", "strategy.activations=disk"]),
+    "llama_offload_activations_on_disk": ("llama", ["strategy=offload", "strategy.activations=disk",
+                                                    "trainer.checkpoint_every=2"]),  # resumed below
     "llama_recomputed_data_zero3": ("llama", ["nproc=2", "strategy=data", "strategy.zero=3",
                                               "strategy.activations=checkpoint"]),
     "gpt2_dropout_offload_recomputed": ("gpt2_dropout", ["strategy=offload", "strategy.activations=checkpoint"]),
@@ -48,6 +49,13 @@ def test_hf_model_trains_as_the_users_loop(tmp_path, case):
         torch.testing.assert_close(final[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
     if name.startswith("gpt2"):  # the head and the token embedding are one weight, trained as one
         torch.testing.assert_close(final["lm_head.weight"], final["transformer.wte.weight"], rtol=0, atol=0)
+    if "trainer.checkpoint_every=2" in args:  # resumed at step 2 (rotary buffers are not saved): the same run
+        resumed, step2 = tmp_path / "resumed", tmp_path / "checkpoints" / "step-000002"
+        cli.run(MODELS[name][2] + LM + hf_models.HF_FAST + args + [f"trainer.resume={step2}", f"run_dir={resumed}"],
+                cwd=tmp_path)
+        torch.testing.assert_close(cli.losses(resumed), cli.losses(tmp_path)[2:], rtol=0, atol=0)
+        for key, value in cli.final_weights(resumed).items():
+            torch.testing.assert_close(value, final[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.mark.xfail(strict=False, reason="needs parallel/blocks.py to find a Hugging Face model's nested block list "
