@@ -7,11 +7,11 @@ samples it sees, and moves its running statistics (buffers) toward them. One
 process sees the whole global batch; under data parallelism each rank sees its
 share, under a pipeline each microbatch is normalized on its own, and under
 `trainer.grad_accum` each micro-step. Then the numbers differ from
-`strategy=single` (and from each other: without syncing, each data-parallel
-rank's running statistics follow its own samples; DDP (zero 0, 1) broadcasts
-rank 0's buffers before each forward, FSDP2 (zero 2, 3) lets them drift, and
-checkpoints and final_model.pt keep rank 0's). The run says so at start
-(`batchnorm_warning`).
+`strategy=single`, and the ranks' running statistics drift apart, each
+following its own samples: nothing syncs buffers (the composable DDP of
+zero 0/1 is handed a parameter list, and FSDP2 leaves buffers alone), so
+final_model.pt keeps rank 0's and a checkpoint one rank's copy of each. The
+run says so at start (`batchnorm_warning`).
 
 `strategy.sync_batchnorm=true` (strategy=data, or hybrid with dp > 1) turns
 every BatchNorm layer into a `SyncBatchNorm` reducing its statistics over the
@@ -19,13 +19,17 @@ data-parallel ranks: the mean and variance of the global batch (of the global
 microbatch under a pipeline), the same running statistics on every rank, and
 the gradient of the global batch, so `batchnorm` models train as under
 `single`. PyTorch's `torch.nn.SyncBatchNorm` runs on CUDA (and XPU, HPU) only:
-its forward raises for CPU tensors, and its kernels (`batch_norm_gather_stats_
-with_counts`) have no CPU version. `SyncBatchNorm` here is a subclass that
+its forward raises for CPU tensors ("SyncBatchNorm expected input tensor to be
+on GPU", torch 2.13), and its kernels (`batch_norm_stats`,
+`batch_norm_gather_stats_with_counts`) have no CPU version. `SyncBatchNorm` here is a subclass that
 keeps PyTorch's path on those devices and, on the CPU (gloo), reduces the
 statistics itself with `all_reduce` (`_SyncStats`): two passes, the sum and
 count first, then the squared deviations from the global mean, so the variance
 is as exact as one process's; backward reduces the two per-channel sums the
-input gradient needs. Parameter and buffer names do not change.
+input gradient needs. Parameter and buffer names do not change. (DDP refuses
+SyncBatchNorm layers on the CPU when it wraps a module; the composable
+`replicate` of strategy=data hands it a parameter list, so that check never
+sees them.)
 
 Recomputation (`strategy.activations=checkpoint`, offload's too) runs a
 block's forward again in backward; a BatchNorm layer would move its running
