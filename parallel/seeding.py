@@ -29,10 +29,18 @@ steps, and a checkpoint holds every rank's generator states
   (`strategy.activations=checkpoint`, which replays a block's generator state
   when it runs the block again) draw exactly what `single` draws, so with
   dropout on they still give `single`'s losses and weights;
-- data parallelism, pipeline microbatches and tensor-parallel shards draw the
-  same kinds of masks from other streams or over other shapes: with dropout
-  on, such a run is another sample of the same training, not `single`'s
-  numbers. Parity with `single` to 1e-4 holds there with dropout off (p = 0).
+- tensor-parallel ranks (with dp = pp = 1, as under strategy=model) draw from
+  `single`'s own stream, so dropout on a whole activation (replicated on every
+  tp rank: embeddings, the residual stream, a rowwise layer's summed output,
+  the attention of heads that are not split) draws `single`'s masks and the run
+  gives `single`'s numbers; dropout on a split activation (the attention
+  probabilities of a rank's share of the heads) draws over another shape;
+- data-parallel ranks (each drawing for its share of the batch from its own
+  stream) and pipeline microbatches (drawn one after another on each stage's
+  rank) draw the same kinds of masks, but other ones than one process draws:
+  with dropout on, such a run is another sample of the same training, not
+  `single`'s numbers. Parity with `single` to 1e-4 holds there with dropout
+  off (p = 0).
 """
 from __future__ import annotations
 

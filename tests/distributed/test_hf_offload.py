@@ -1,5 +1,6 @@
 """Hugging Face models under offload and recomputed activations: the numbers of the user's own loop, GPT-2's head
-tied to its token embedding and its dropout on (Note [random numbers] in parallel/seeding.py)."""
+tied to its token embedding and its dropout on (Note [random numbers] in parallel/seeding.py), also under tensor
+parallelism."""
 import functools
 
 import pytest
@@ -22,7 +23,10 @@ CASES = {
     "llama_recomputed_data_zero3": ("llama", ["nproc=2", "strategy=data", "strategy.zero=3",
                                               "strategy.activations=checkpoint"]),
     "gpt2_dropout_offload_recomputed": ("gpt2_dropout", ["strategy=offload", "strategy.activations=checkpoint"]),
-    "gpt2_dropout_recomputed": ("gpt2_dropout", ["strategy.activations=checkpoint"]),
+    # Tensor parallel ranks draw single's masks for the whole activations they all hold (Note [random numbers]);
+    # the inferred plan splits GPT-2's MLPs, so every dropout here acts on whole activations.
+    "gpt2_dropout_tensor_parallel_recomputed": ("gpt2_dropout", ["nproc=2", "strategy=model",
+                                                                 "strategy.activations=checkpoint"]),
 }
 
 
