@@ -16,13 +16,14 @@ BATCHNORM = ["model=custom", "model._target_=tests.hf_models.batchnorm_cnn", "da
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args", [["strategy.zero=0"], ["strategy.zero=3", "strategy.activations=checkpoint"]],
-                         ids=["zero0", "zero3_recomputed"])
+@pytest.mark.parametrize("args", [["strategy=data", "strategy.zero=0"],
+                                  ["strategy=data", "strategy.zero=3", "strategy.activations=checkpoint"],
+                                  ["strategy=hybrid", "strategy.dp=2"]],
+                         ids=["data_zero0", "data_zero3_recomputed", "hybrid_dp2"])
 def test_synced_batchnorm_trains_as_single(reference, tmp_path, args):
     """Statistics over both ranks' samples are the global batch's: the losses, weights and running statistics
     of single; recomputed blocks do not move the running statistics a second time."""
-    cli.run(BATCHNORM + ["nproc=2", "strategy=data", "strategy.sync_batchnorm=true", *args, f"run_dir={tmp_path}"],
-            cwd=tmp_path)
+    cli.run(BATCHNORM + ["nproc=2", "strategy.sync_batchnorm=true", *args, f"run_dir={tmp_path}"], cwd=tmp_path)
     single = reference(BATCHNORM)
     cli.assert_same_training(tmp_path, single)  # every buffer too: running_mean, running_var, num_batches_tracked
     assert int(cli.final_weights(tmp_path)["blocks.1.1.num_batches_tracked"]) == 4
