@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from parallel.config import Config, ConfigError, RunError
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
+from parallel.seeding import rng_state, set_rng_state
 
 SUFFIX = ".partial"
 META = "trainer.json"
@@ -76,20 +76,6 @@ def expected_keys(cfg: Config) -> dict[str, tuple]:
             keys[f"optim.{name}.step"] = ()
             keys[f"optim.{name}.exp_avg"] = keys[f"optim.{name}.exp_avg_sq"] = tuple(p.shape)
     return keys
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---- finding a complete one -----------------------------------------------------------------------------------
@@ -213,7 +199,7 @@ class Checkpointer:
         dist.barrier()
         state, _ = training_state(run)
         dcp.save(state, checkpoint_id=str(partial))
-        torch.save(_rng_state(), partial / f"rng-{rank}.pt")
+        torch.save(rng_state(), partial / f"rng-{rank}.pt")
         dist.barrier()  # every rank's files are whole
         if rank == 0:
             self._seal(run, step, partial, final)
@@ -312,14 +298,24 @@ def load(run, path: Path) -> int:
     run.scheduler.load_state_dict(meta["scheduler"])
     for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
         group["lr"] = lr
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rng = path / f"rng-{rank}.pt"
-    if meta["world_size"] == world and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
-    elif rank == 0:
-        log.info("random number generators: saved for %d ranks, this run has %d; each rank keeps its own seed",
-                 meta["world_size"], world)
+    _restore_rng(run, path, meta)
     saved = meta["strategy"]
     log.info("resumed from %s (step %d; saved under strategy=%s on %d ranks) in %.2f s", path, meta["step"],
              saved["name"], meta["world_size"], time.perf_counter() - t0)
     return int(meta["step"])
+
+
+def _restore_rng(run, path: Path, meta: dict) -> None:
+    """Each rank's generator states, when every rank draws from the stream it saved (Note [random numbers]):
+    the same world size and degrees. Otherwise each stream starts again from its seed."""
+    rank, world, s = dist.get_rank(), dist.get_world_size(), run.cfg.strategy
+    saved = meta["strategy"]
+    rng = path / f"rng-{rank}.pt"
+    if meta["world_size"] == world and all(saved.get(k) == getattr(s, k) for k in ("dp", "pp", "tp")) \
+            and rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+    elif rank == 0:
+        log.warning("random number generators: saved on %d ranks as dp %s x pp %s x tp %s, this run has dp %s x "
+                    "pp %s x tp %s; each rank's stream starts again from its seed, so random ops (dropout) draw "
+                    "other numbers than the saved run would have (Note [random numbers])", meta["world_size"],
+                    saved.get("dp"), saved.get("pp"), saved.get("tp"), s.dp, s.pp, s.tp)

@@ -83,6 +83,9 @@ class StrategyConfig:
     # Run a model's frozen leading part one batch ahead, on its own thread, while
     # the rest trains (models with frozen_forward/trainable_forward, e.g. stacked).
     lookahead: bool = True
+    # strategy=data, or hybrid with dp > 1: BatchNorm statistics over the data-parallel ranks (the global
+    # batch) instead of each rank's share (Note [batch norm] in parallel/batchnorm.py).
+    sync_batchnorm: bool = False
 
 
 @dataclass

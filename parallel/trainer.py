@@ -29,6 +29,7 @@ from parallel.models import weights
 from parallel.models.build import build_meta_model
 from parallel.optim import all_mean, build_optimizer, build_scheduler
 from parallel.runtime import Runtime
+from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
 from parallel.tensors import local_bytes
 
@@ -46,6 +47,7 @@ class Run:
     is_logger: bool
     plan: InitPlan  # of the unpartitioned model: names -> initialization and canonical names of tied weights
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
+    rng_seed: int = 0  # this rank's stream of random numbers (Note [random numbers] in parallel/seeding.py)
 
     def canonical(self) -> dict[str, str]:
         """Every parameter name -> the name its optimizer state is saved under (a tied weight's first)."""
@@ -68,6 +70,9 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     """
     mesh = dims.build_mesh(runtime.device.type) if mesh is None else mesh
     model = build_meta_model(cfg.model) if model is None else model
+    # Training mode, as a user's loop sets it: a factory may return a model in eval mode (Hugging Face's
+    # from_pretrained does), which would turn dropout off and BatchNorm to its running statistics.
+    model.train()
     plan = init_plan(model)  # names -> initialization, taken before any partitioning
     if runtime.values is None:
         values = ByName(cfg.trainer.seed, model) if run_dir is None else \
@@ -80,7 +85,9 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
         data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
     # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
-    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan)
+    rng_seed = stream_seed(cfg.trainer.seed, dp_rank, mesh["pp"].get_local_rank())
+    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
+               rng_seed=rng_seed)
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
@@ -97,6 +104,9 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
     run = build_run(cfg, dims, Runtime(device=device), run_dir=run_dir)
     weights.done(run_dir)
     console_on(run.is_logger)
+    # After building (rank 0 built the user's model under its own seed; a pipeline may have timed blocks) and
+    # before a checkpoint restores the generators it saved: Note [random numbers].
+    seed_all(run.rng_seed)
     try:
         path = checkpoint.resume_target(cfg, run_dir)
         start = 0 if path is None else checkpoint.load(run, path)

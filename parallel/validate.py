@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from parallel.batchnorm import check_sync_batchnorm
 from parallel.checkpoint import check_resume
 from parallel.config import Config, check_optim, check_trainer, fail, pipelined, positive, tensor_parallel
 from parallel.data import check_data
@@ -85,12 +86,14 @@ def validate(cfg: Config, world_size: int) -> None:
     per_rank = _check_batch(cfg)
     if pipelined(s):
         check_pipeline(cfg, per_rank)
-    # 3. The model, then what needs it: the offload disk's room, a checkpoint to resume, the tensor plan,
-    #    the pipeline split, and the data's shapes through the model.
+    # 3. The model, then what needs it: the offload disk's room, BatchNorm layers to sync, a checkpoint to
+    #    resume, the tensor plan, the pipeline split, and the data's shapes through the model.
     check_model(cfg.model)
     check_weights(cfg.model, build_meta_model(cfg.model))
     if s.name == "offload" and s.path is not None:
         check_offload_disk(cfg, build_meta_model(cfg.model))
+    if s.sync_batchnorm:
+        check_sync_batchnorm(cfg, build_meta_model(cfg.model))
     if cfg.trainer.resume is not None:
         check_resume(cfg)
     if tensor_parallel(s):

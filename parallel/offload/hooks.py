@@ -19,6 +19,7 @@ import warnings
 
 from torch.utils.checkpoint import checkpoint
 
+from parallel.batchnorm import recompute_contexts
 from parallel.offload.activations import ActivationStore
 from parallel.offload.adamw import BlockAdamW
 from parallel.offload.layout import Block, Layout
@@ -61,11 +62,23 @@ class BlockHooks:
             for s in b.trainable:
                 s.param.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_ready(b))
             if self.recompute and not b.ahead:  # ahead: no_grad, nothing saved
-                forward = b.module.forward
-                b.module.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+                b.module.forward = self._checkpointed(b, b.module.forward)
         for p in self.resident:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self.adamw.resident_grad_ready)
+
+    def _checkpointed(self, b: Block, forward):
+        """`forward` of block `b` under activation checkpointing. Its recomputation in backward binds the
+        block's weights itself: the backward pre-hook that binds them otherwise does not fire for a block whose
+        output is no tensor (a Hugging Face model's ModelOutput), and the module's forward hooks do not run
+        around a recomputation. BatchNorm running statistics move once (Note [batch norm])."""
+        contexts = recompute_contexts(b.module)
+
+        def bound_forward(*args, **kwargs):
+            self.stream.ensure(b)  # bound already in forward (the pre-hook): only a recomputation reads
+            return forward(*args, **kwargs)
+
+        return lambda *a, **k: checkpoint(bound_forward, *a, use_reentrant=False, context_fn=contexts, **k)
 
     def start_step(self) -> None:
         for b in self.blocks:

@@ -65,8 +65,6 @@ class OffloadState:
     def full_state_dict(self) -> dict:
         """Every parameter and persistent buffer under its original name (CPU tensors)."""
         state = {}
-        persistent = {f"{m}.{n}" if m else n for m, module in self.model.named_modules()
-                      for n in module._buffers if n not in module._non_persistent_buffers_set}
         for b in self.layout.blocks:
             was_bound = b.buffer is not None
             self.stream.ensure(b)
@@ -77,10 +75,15 @@ class OffloadState:
         for fqn, p in self.model.named_parameters(remove_duplicate=False):
             if id(p) not in self.layout.block_of:
                 state[fqn] = p.detach().cpu().clone()
-        for fqn, buf in self.model.named_buffers():
-            if fqn in persistent:  # as nn.Module.state_dict: non-persistent buffers are not saved
-                state[fqn] = buf.detach().cpu().clone()
+        for fqn, buf in self._saved_buffers():
+            state[fqn] = buf.detach().cpu().clone()
         return state
+
+    def _saved_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers a state dict holds: not the non-persistent ones (a rotary embedding's `inv_freq`), which
+        the model's `state_dict`, `load_state_dict(strict=True)` and the checkpoint check leave out."""
+        saved = self.model.state_dict(keep_vars=True)
+        return [(fqn, buf) for fqn, buf in self.model.named_buffers() if fqn in saved]
 
     @torch.no_grad()
     def optimizer_state(self) -> dict:
@@ -120,7 +123,7 @@ class OffloadState:
                 adamw.resident_state[p] = (s["exp_avg"].to(self.device).clone(),
                                            s["exp_avg_sq"].to(self.device).clone())
                 adamw.steps[p].copy_(s["step"])
-        for fqn, buf in self.model.named_buffers():
+        for fqn, buf in self._saved_buffers():
             buf.copy_(model[fqn])
 
     def _load_blocks(self, model: dict, optim: dict) -> None:

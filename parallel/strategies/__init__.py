@@ -10,10 +10,12 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.batchnorm import batchnorm_warning
 from parallel.config import BALANCES, ZERO_LEVELS, Config, fail
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import loss_fn
+from parallel.metrics import log
 from parallel.offload.check import check_offload
 from parallel.offload.engine import build_offload
 from parallel.runtime import Runtime
@@ -54,6 +56,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtim
 
     Parameter names never change (Note [initialization by name]).
     """
+    warning = batchnorm_warning(model, cfg)
+    if warning:
+        log.warning("%s (Note [batch norm] in parallel/batchnorm.py)", warning)
     return STRATEGIES[cfg.strategy.name](model, mesh, cfg, runtime, plan)
 
 

@@ -13,6 +13,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
 from parallel.runtime import Runtime
 
@@ -25,6 +26,8 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
     """Replicate or shard `model` over the mesh's `dp` dimension, in place."""
     dp_mesh = mesh["dp"]
+    if cfg.strategy.sync_batchnorm:  # Note [batch norm]: before DDP or FSDP2 wrap the layers
+        sync_batchnorm(model, dp_mesh.get_group())
     if cfg.strategy.zero <= 1:
         # The composable form of DDP keeps parameter names unchanged (no `module.`
         # prefix) and builds its reducer lazily at the first forward, after the

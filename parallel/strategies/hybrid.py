@@ -32,6 +32,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
@@ -72,6 +73,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         if s.tp > 1:
             shard(module, mesh, tp_plan)
         if s.dp > 1:
+            if s.sync_batchnorm:  # Note [batch norm]: BatchNorm statistics over the dp ranks
+                sync_batchnorm(module, mesh["dp"].get_group())
             data_parallel(module, blocks, mesh, s.zero)
 
     if s.pp > 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable import checkpoint
 
+from parallel.batchnorm import recompute_contexts
 from parallel.blocks import candidates
 from parallel.config import Config
 from parallel.data import example_input
@@ -38,7 +39,10 @@ def block_names(names: list[str]) -> list[str]:
 def recompute_blocks(root: nn.Module, names: list[str]) -> None:
     """Checkpoint the blocks `names` of `root` (on meta, before FSDP or DDP wraps them), in place."""
     for name in block_names(names):
-        checkpoint(root.get_submodule(name))
+        block = root.get_submodule(name)
+        # A BatchNorm layer's running statistics move once per step, not again when the block is recomputed
+        # (Note [batch norm]); random ops draw the same numbers again (checkpoint replays the generators).
+        checkpoint(block, context_fn=recompute_contexts(block))
 
 
 def recompute_model(model: nn.Module, cfg: Config) -> None:

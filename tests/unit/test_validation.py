@@ -45,6 +45,8 @@ BAD = [
     ({"strategy__name": "hybrid", "strategy__tp": 3}, 3, "strategy.tp"),  # hidden 64 over tp 3
     ({"strategy__name": "hybrid", "strategy__pp": 2, "strategy__microbatches": 3}, 4, "strategy.microbatches"),
     ({"strategy__name": "model", "strategy__zero": 2}, 2, "strategy.zero"),
+    ({"strategy__name": "single", "strategy__sync_batchnorm": True}, 1, "strategy.sync_batchnorm"),  # no dp ranks
+    ({"strategy__name": "data", "strategy__sync_batchnorm": True}, 2, "strategy.sync_batchnorm"),  # no BatchNorm
     ({"strategy__name": "offload"}, 2, "strategy"),  # one process only
     ({"strategy__name": "offload", "strategy__params": "ssd"}, 1, "strategy.params"),
     ({"strategy__name": "offload", "strategy__activations": "gpu"}, 1, "strategy.activations"),
