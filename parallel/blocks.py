@@ -1,10 +1,75 @@
 """Which modules of a model are its blocks: the units a pipeline stage begins at, offload streams, and
-recomputation checkpoints (Note [pipeline partitioning] in parallel/strategies/pipeline/partition.py)."""
+recomputation checkpoints (Note [pipeline partitioning] in parallel/strategies/pipeline/partition.py).
+
+# Note [nested blocks]
+A model's blocks are its top-level children, with the items of a top-level ModuleList / Sequential counted
+one by one. Hugging Face models keep their repeated blocks one or two levels down (`model.layers.N` in
+Llama, `transformer.h.N` in GPT-2, `bert.encoder.layer.N` in BERT, `vit.encoder.layer.N` in ViT), under a
+wrapper whose forward also embeds, builds the attention mask, computes rotary embeddings once and normalizes.
+A top-level child that holds the repeated blocks is therefore replaced by its own children, recursively,
+down to the list of blocks, whose items count one by one: Llama gives `model.embed_tokens`,
+`model.rotary_emb`, `model.layers.0`, ..., `model.norm`, `lm_head`. The repeated blocks are a ModuleList /
+Sequential whose items are all of one class: a class the model names in `_no_split_modules` (Hugging Face's
+list of modules never to cut through) when it names any, else any class, at least two items. The built-in
+models keep their lists at the top, so their blocks are what they were.
+"""
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from parallel.tensors import meta_forward
+
+LISTS = (nn.ModuleList, nn.Sequential)
+
+
+def _no_split_classes(model: nn.Module) -> set[str]:
+    """Class names that Hugging Face models (the model or any module in it) declare in `_no_split_modules`."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return names
+
+
+def _repeated(module: nn.Module, block_classes: set[str]) -> bool:
+    """A list of at least two blocks of one class (that class one of `block_classes` when there are any)."""
+    if not isinstance(module, LISTS) or len(module) < 2:
+        return False
+    classes = {type(m).__name__ for m in module.children()}
+    return len(classes) == 1 and (not block_classes or classes <= block_classes)
+
+
+def _holds_blocks(module: nn.Module, block_classes: set[str]) -> bool:
+    return any(_repeated(m, block_classes) for m in module.modules())
+
+
+def _expand(name: str, module: nn.Module, block_classes: set[str]) -> list[str]:
+    """`name`, or its blocks when `module` is or holds the repeated blocks (Note [nested blocks])."""
+    if _repeated(module, block_classes):
+        return [f"{name}.{sub}" for sub, _ in module.named_children()]
+    if not _holds_blocks(module, block_classes):
+        return [name]
+    return [n for sub, child in module.named_children() for n in _expand(f"{name}.{sub}", child, block_classes)]
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """Every block of `model` in module order (Note [nested blocks]); forward order is `candidates`'."""
+    block_classes = _no_split_classes(model)
+    names = []
+    for name, child in model.named_children():
+        if isinstance(child, LISTS):
+            names += [f"{name}.{sub}" for sub, _ in child.named_children()]
+        else:
+            names += _expand(name, child, block_classes)
+    return names
+
+
+def _plain_meta(t):
+    """A meta tensor of `t`'s shape, dtype and strides, outside any fake mode (what meta_forward saw was fake)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, tuple]]:
@@ -14,18 +79,12 @@ def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, t
         model: the unpartitioned model on the meta device.
         example: the positional inputs of one microbatch (meta tensors).
     """
-    names = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            names += [f"{name}.{sub}" for sub, _ in child.named_children()]
-        else:
-            names.append(name)
     order, inputs, handles = [], {}, []
-    for name in names:
+    for name in block_names(model):
         def hook(mod, args, kwargs, name=name):
             if name not in inputs:
                 order.append(name)
-                inputs[name] = (args, kwargs)
+                inputs[name] = tree_map(_plain_meta, (args, kwargs))
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
     try:
         meta_forward(model, *example)

@@ -1,6 +1,7 @@
 """Small tensor helpers shared by the strategies, the trainer and the memory counts."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -31,13 +32,22 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [p for i in inner if isinstance(i, torch.Tensor) for p in plain_tensors(i)]
 
 
-def meta_forward(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` on a meta model and meta inputs, without gradients, as fake tensors.
+@contextlib.contextmanager
+def faking():
+    """Meta tensors computed on as fake tensors: a FakeTensorMode, unless one is active already (the planner).
 
     A library that reads values in its forward (Hugging Face's attention masks test `.all()` of the
-    positions) takes its tracing path on fake tensors and fails on plain meta ones; inside a fake mode
-    already (the planner) nothing changes.
+    positions) takes its tracing path on fake tensors and fails on plain meta ones.
     """
+    if detect_fake_mode() is not None:
+        yield
+        return
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def meta_forward(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a meta model and meta inputs, without gradients, as fake tensors (`faking`)."""
     if detect_fake_mode() is not None:
         with torch.no_grad():
             return fn(*args, **kwargs)
@@ -47,7 +57,7 @@ def meta_forward(fn, *args, **kwargs):
     was = quiet.disabled
     quiet.disabled = True
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), faking():
             return fn(*args, **kwargs)
     finally:
         quiet.disabled = was

@@ -3,9 +3,12 @@
 # Note [pipeline partitioning]
 Candidates (parallel.blocks.candidates) are the model's top-level children in the order its forward calls
 them, with ModuleList / Sequential children expanded one level (the repeated
-blocks). A stage is a contiguous run of candidates; the split itself is traced
-from the forward (torch.distributed.pipelining.pipeline), so values that skip
-over stages and non-Sequential control flow are carried correctly. Costs:
+blocks), and a child that holds the repeated blocks deeper (a Hugging Face
+model's `model.layers`) replaced by its own children (Note [nested blocks] in
+parallel/blocks.py). A stage is a contiguous run of candidates; the split itself
+is traced from the forward (Note [tracing for the pipeline] in trace.py), so
+values that skip over stages and non-Sequential control flow are carried
+correctly. Costs:
   params  trainable parameter count;
   memory  bytes of weights + gradients + AdamW state + activations saved for
           backward for the microbatches a stage holds at once;
@@ -26,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
+
+from parallel.tensors import faking
 
 
 @dataclass
@@ -78,7 +83,8 @@ def measure(model: nn.Module, names: list[str], inputs: dict, measure_limit_byte
         params = [p for p in mod.parameters() if p.requires_grad]
         b = BlockCost(name, sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params))
         args, kwargs = inputs[name]
-        with FlopCounterMode(display=False) as fc:
+        # On fake tensors (parallel.tensors.faking): a Hugging Face block may read values of its inputs.
+        with faking(), FlopCounterMode(display=False) as fc:
             _fwd_bwd(mod, *tree_map(lambda t: t.detach().requires_grad_(t.dtype.is_floating_point)
                                     if isinstance(t, torch.Tensor) else t, (args, kwargs)))
         b.flops = fc.get_total_flops()
@@ -90,6 +96,8 @@ def measure(model: nn.Module, names: list[str], inputs: dict, measure_limit_byte
                 for t in list(real.parameters()) + list(real.buffers()):
                     if t.dtype.is_floating_point:
                         t.normal_(0, 0.02)
+                    else:  # integer buffers index (BERT's position and token type ids): 0 is always valid
+                        t.zero_()
             rargs, rkwargs = tree_map(_real, (args, kwargs))
             b.act_bytes = _saved_bytes(real, rargs, rkwargs)
             times = []
