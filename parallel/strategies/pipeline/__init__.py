@@ -1,8 +1,10 @@
 """strategy=pipeline: the model split by layers into stages, microbatches through PyTorch's schedules.
 
 The split is traced from the model's forward (Note [pipeline partitioning] in
-partition.py), so every stage keeps the original parameter names and skip
-connections that cross stages are carried (Note [stage chain] in chain.py).
+partition.py, Note [tracing for the pipeline] in trace.py), so every stage keeps
+the original parameter names and skip connections that cross stages are
+carried (Note [stage chain] in chain.py); Hugging Face models are cut at their
+nested decoder / encoder blocks (Note [nested blocks] in parallel/blocks.py).
 Weights tied across stages (an embedding shared with the output head) live as
 one copy per stage; their gradients are summed over the copies before the step,
 so the copies stay equal.
@@ -12,6 +14,7 @@ Modules, each importing only those above it:
     schedules   schedule names, stage placement, constraints, analytic bubbles
     partition   what each block costs, and the balanced split
     chain       the traced split rewritten so each stage feeds only the next
+    trace       the forward traced on meta and cut before the chosen blocks
     split       where the model is cut: boundaries chosen, the forward traced
     check       the config checks parallel.validate calls
     stages      this rank's stages: built, materialized, tied, timed

@@ -82,7 +82,9 @@ def _rewrite(gm: fx.GraphModule, live_in: list[Value], takes: list[Value], name:
             env[(name, i)] = p
     else:
         env[(name, None)] = produced
-    values = [env[v] for v in live_out]
+    # Sent as they are, and a send needs contiguous memory: an attention mask is often an expanded view.
+    with g.inserting_before(out):
+        values = [g.call_method("contiguous", (env[v],)) for v in live_out]
     out.args = (values[0] if len(values) == 1 else tuple(values),)
     # The traced graph flattens its inputs by the original signature; the
     # rewritten one takes the live values as plain positional arguments.
@@ -117,19 +119,34 @@ def compiled(stage: nn.Module) -> None:
     """
     for module in stage.modules():
         if isinstance(module, InterpreterModule) and module.__dict__.get("graph_module") is not None:
+            _rename_self(module)
             module._run_with_interpreter = False
 
 
-def retarget(gm: fx.GraphModule, device) -> None:
-    """Point tensors the traced graph creates (e.g. positions from torch.arange) at `device`.
+def _rename_self(module: InterpreterModule) -> None:
+    """Give a value named `self` another name: the generated code's own `self` would be shadowed by it.
 
-    Tracing ran on the meta device, which the graph recorded in those calls.
+    The trace names a submodule call's result after the submodule, and BERT's attention has one called
+    `self` (BertAttention.self); the interpreter keys values by node and never minds.
     """
-    changed = False
-    for node in gm.graph.nodes:
-        dev = node.kwargs.get("device")
-        if dev is not None and str(dev) == "meta":
-            node.update_kwarg("device", device)
-            changed = True
-    if changed:
-        gm.recompile()
+    g = module.graph
+    for node in [n for n in g.nodes if n.name == "self"]:
+        with g.inserting_after(node):
+            renamed = g.create_node(node.op, node.target, node.args, node.kwargs, name="self_out")
+        renamed.meta = dict(node.meta)
+        node.replace_all_uses_with(renamed)
+        g.erase_node(node)
+        module.graph_module.recompile()
+
+
+def used_names(stage: nn.Module, ops: tuple[str, ...] = ("call_module", "get_attr")) -> set[str]:
+    """Full names of the modules (and attributes) that the graphs of a traced stage call (read).
+
+    A Hugging Face model's blocks sit inside outlined modules (`model.layers.1`
+    is called by the graph of `model`), so every graph in the stage is read.
+    """
+    used = set()
+    for prefix, sub in stage.named_modules():
+        if isinstance(sub, (fx.GraphModule, InterpreterModule)):
+            used |= {f"{prefix}.{n.target}" if prefix else n.target for n in sub.graph.nodes if n.op in ops}
+    return used

@@ -32,6 +32,7 @@ def check_split(model: nn.Module, cfg: Config) -> None:
     """The model (on meta) traces into the configured stages; bad split points are named.
 
     The same plan_split a worker runs, with blocks weighed by FLOPs: timing them
-    here would only slow the check, and the balanced split it finds is not kept.
+    here would only slow the check, and the balanced split it finds is not kept
+    (nor traced again when the boundaries' trace already answers for it).
     """
-    plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False))
+    plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False), trace_split=False)

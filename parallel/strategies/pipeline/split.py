@@ -6,13 +6,11 @@ planner run the same code as a worker does before it builds its stages.
 """
 from __future__ import annotations
 
-import copy
-import warnings
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import SplitPoint, pipeline
 
 from parallel.blocks import candidates
 from parallel.config import Config, ConfigError
@@ -21,11 +19,7 @@ from parallel.memory.budget import budget_bytes
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import partition, schedules
 from parallel.strategies.pipeline.chain import chain, stage_shapes
-
-# Tracing copies torch's own pytree specs (so does copying a traced stage,
-# stages.py), whose deprecated LeafSpec check warns once per process from
-# inside torch; nothing to act on here.
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+from parallel.strategies.pipeline.trace import trace, untraceable
 
 
 @dataclass
@@ -36,6 +30,9 @@ class Split:
     pipe: object
     rows: list[dict] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)  # every candidate block, in forward order
+    # Buffers the model keeps out of its state dict (persistent=False: Hugging Face's rotary `inv_freq`);
+    # the traced stages hold every buffer alike, so build_stages marks these again.
+    transient: set[str] = field(default_factory=set)
 
 
 def microbatches(cfg: Config) -> int:
@@ -47,29 +44,7 @@ def example_microbatch(cfg: Config, dp: int) -> tuple:
     return example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg))
 
 
-def trace(model: nn.Module, example: tuple, starts: list[str]):
-    """Trace `model` (on meta) and cut it before each name in `starts[1:]`.
-
-    Tracing rearranges the module it is given (tied weights above all), so it
-    works on a copy: the model can be traced again, with other cuts.
-    """
-    try:
-        return pipeline(copy.deepcopy(model), mb_args=example,
-                        split_spec={n: SplitPoint.BEGINNING for n in starts[1:]})
-    except Exception as e:  # torch.export raises many types; all mean "cannot trace"
-        raise untraceable(model, e) from None
-
-
-def untraceable(model: nn.Module, e: Exception) -> ConfigError:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return ConfigError(
-        f"strategy=pipeline: the forward of {type(model).__name__} cannot be traced into stages "
-        f"({type(e).__name__}: {first}). Pipelining needs a forward without data-dependent Python "
-        "control flow that takes and returns tensors; rewrite that part (e.g. torch.where instead of "
-        "`if` on a tensor's value), or use strategy=data.")
-
-
-def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime) -> Split:
+def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime, trace_split: bool = True) -> Split:
     """Choose the stage boundaries (split points given, or balanced) and trace the split.
 
     Args:
@@ -77,6 +52,8 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime) -> Spli
         cfg: the run config (strategy.split_points, strategy.balance, memory.budget).
         dp: the data-parallel degree (it sets the microbatch size).
         runtime: `time_blocks` (False: weigh blocks by FLOPs only), `agree` (every rank takes rank 0's split).
+        trace_split: False (the config check) traces the chosen split only when checking the boundaries
+            did not already show that every block is a place of its own to cut; `pipe` is then None.
     """
     s = cfg.strategy
     n_stages = s.pp * s.stages_per_rank
@@ -88,24 +65,38 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime) -> Spli
     if n_stages > len(names):
         raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
                           f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)})")
-    # Only rank 0's choice counts (below), so only rank 0 times the blocks: the
-    # others would compete with it for the machine and skew what it measures.
+    # Only rank 0's choice counts (runtime.agree), so only rank 0 times the blocks and
+    # traces the boundaries: the others would compete with it for the machine and
+    # skew what it measures.
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    timed = runtime.time_blocks and (not distributed or dist.get_rank() == 0)
+    chooses = not distributed or dist.get_rank() == 0
+    timed = runtime.time_blocks and chooses
     blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if timed else -1)
     in_flight = microbatches(cfg) if schedules.canonical(s.schedule) == "GPipe" else min(microbatches(cfg), s.pp)
-    allowed = _float_boundaries(model, example, names)
-    if s.split_points:
-        starts_idx = _given_starts(s, names, n_stages, allowed)
-    else:
-        starts_idx = _balanced_starts(cfg, blocks, n_stages, allowed, in_flight)
+    starts_idx, exact = _choose_starts(cfg, model, example, names, blocks, in_flight) if chooses else (None, False)
     starts_idx = runtime.agree(starts_idx)  # every rank must cut the model the same way: rank 0's choice wins
+    if starts_idx is None:  # no rank 0 to agree with (the planner plans each rank on its own)
+        starts_idx, exact = _choose_starts(cfg, model, example, names, blocks, in_flight)
     starts = [names[i] for i in starts_idx]
-    pipe = trace(model, example, starts)
-    if pipe.num_stages != n_stages:
-        raise ConfigError(f"strategy.split_points={starts[1:]}: the traced forward gave {pipe.num_stages} "
-                          f"stages, not {n_stages}; pick blocks that the forward calls in order")
-    return Split(starts, pipe, _rows(cfg, blocks, starts_idx, in_flight), names)
+    pipe = None
+    if trace_split or not exact:
+        pipe = trace(model, example, starts)
+        if pipe.num_stages != n_stages:
+            raise ConfigError(f"strategy.split_points={starts[1:]}: the traced forward gave {pipe.num_stages} "
+                              f"stages, not {n_stages}; pick blocks that the forward calls in order")
+    saved = set(model.state_dict())
+    transient = {n for n, _ in model.named_buffers(remove_duplicate=False) if n not in saved}
+    return Split(starts, pipe, _rows(cfg, blocks, starts_idx, in_flight), names, transient)
+
+
+def _choose_starts(cfg: Config, model: nn.Module, example: tuple, names: list[str],
+                   blocks: list[partition.BlockCost], in_flight: int) -> tuple[list[int], bool]:
+    """Block indices where stages begin, and whether every block is a call site of its own (`_boundaries`)."""
+    s = cfg.strategy
+    allowed, exact = _boundaries(model, example, names)
+    if s.split_points:
+        return _given_starts(s, names, s.pp * s.stages_per_rank, allowed), exact
+    return _balanced_starts(cfg, blocks, s.pp * s.stages_per_rank, allowed, in_flight), exact
 
 
 def _balanced_starts(cfg: Config, blocks: list[partition.BlockCost], n_stages: int, allowed: set[int],
@@ -143,20 +134,30 @@ def _given_starts(s, names: list[str], n_stages: int, allowed: set[int]) -> list
     return [0] + idx
 
 
-def _float_boundaries(model: nn.Module, example: tuple, names: list[str]) -> set[int]:
-    """Block indices where a stage may begin: only floating-point tensors cross there.
+def _boundaries(model: nn.Module, example: tuple, names: list[str]) -> tuple[set[int], bool]:
+    """Block indices where a stage may begin (only floating-point and boolean tensors cross there), and
+    whether the trace cut before every block (each is a call site of its own: any cuts give their stages).
 
     PyTorch's stages learn what they receive at the first step by running the
     forward on placeholder values; integers there (token ids, positions) would
     be arbitrary and index out of range, and no gradient flows back through
-    them. Found by tracing a split before every block once and reading what
-    flows into each piece (Note [stage chain] in chain.py).
+    them. Arbitrary booleans (an attention mask a Hugging Face model built in its
+    first stage) only shape that trial run. Found by tracing a split before every
+    block once and reading what flows into each piece (Note [stage chain] in chain.py).
     """
     pipe = trace(model, example, names)
     if pipe.num_stages != len(names):
-        return set(range(1, len(names)))  # some block is not a call site of its own; let the trace decide
-    shapes = stage_shapes(chain(pipe), example)
-    return {j for j in range(1, len(names)) if all(t.dtype.is_floating_point for t in shapes[j][0])}
+        return set(range(1, len(names))), False  # some block is not a call site of its own; let the trace decide
+    shapes = stage_shapes(_chained(pipe), example)
+    return {j for j in range(1, len(names))
+            if all(t.dtype.is_floating_point or t.dtype == torch.bool for t in shapes[j][0])}, True
+
+
+def _chained(pipe) -> list:
+    try:
+        return chain(pipe)  # Note [stage chain]
+    except ValueError as e:
+        raise ConfigError(f"strategy=pipeline: {e}") from None
 
 
 def _rows(cfg: Config, blocks: list[partition.BlockCost], starts_idx: list[int], in_flight: int) -> list[dict]:

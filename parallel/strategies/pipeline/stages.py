@@ -22,8 +22,9 @@ from parallel.config import Config, ConfigError
 from parallel.init import InitPlan, materialize_and_init
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import schedules
-from parallel.strategies.pipeline.chain import chain, compiled, retarget, stage_shapes
+from parallel.strategies.pipeline.chain import chain, compiled, stage_shapes, used_names
 from parallel.strategies.pipeline.split import Split, example_microbatch
+from parallel.strategies.pipeline.trace import retarget
 from parallel.strategies.recompute import recompute_blocks, recomputing
 
 
@@ -108,17 +109,18 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
     for i in mine:
         mod = chained[i]
         _drop_unused(mod, split.blocks)
+        _mark_transient(mod, split.transient)
         compiled(mod)
         retarget(mod, device)
         blocks = eager_blocks(mod, model, split.blocks) if transform is not None else None
         if recomputing(cfg):  # before the transform's FSDP units wrap the blocks
-            called = {n.target for n in mod.graph.nodes if n.op == "call_module"}
+            called = used_names(mod, ("call_module",))
             recompute_blocks(mod, [n for n in split.blocks if n in called])
         if transform is not None:
             transform(mod, blocks)
         materialize_and_init(mod, device, plan, runtime.values)
         # Shapes are found at the first step (PyTorch's runtime inference); only
-        # floating-point tensors cross stages (split._float_boundaries), which that allows.
+        # floating-point and boolean tensors cross stages (split._boundaries), which that allows.
         given = {}
         if shapes:  # floating-point values carry gradients between stages; the shapes come without them
             marked = [tuple(t.detach().requires_grad_(t.is_floating_point()) for t in ts) for ts in shapes[i]]
@@ -155,7 +157,7 @@ def eager_blocks(stage: fx.GraphModule, model: nn.Module, names: list[str]) -> l
     blocks are copied together, so weights shared between them stay shared.
     Returns the swapped-in blocks.
     """
-    called = {n.target for n in stage.graph.nodes if n.op == "call_module"}
+    called = used_names(stage, ("call_module",))
     held = [n for n in names if n in called]
     originals = copy.deepcopy(nn.ModuleList(model.get_submodule(n) for n in held))
     for name, original in zip(held, originals):
@@ -171,7 +173,7 @@ def _drop_unused(stage: fx.GraphModule, names: list[str]) -> None:
     to the embedding) in the first stage as well, under the head's name; that
     copy would be materialized, counted and saved without ever being trained.
     """
-    used = {n.target for n in stage.graph.nodes if n.op in ("call_module", "get_attr")}
+    used = used_names(stage)
     for name in names:
         if any(u == name or u.startswith(name + ".") for u in used):
             continue
@@ -182,6 +184,14 @@ def _drop_unused(stage: fx.GraphModule, names: list[str]) -> None:
             continue
         if leaf in holder._modules:
             delattr(holder, leaf)
+
+
+def _mark_transient(stage: nn.Module, names: set[str]) -> None:
+    """Keep the model's non-persistent buffers out of the stage's state dict (saved weights, checkpoints)."""
+    for name, buffer in list(stage.named_buffers(remove_duplicate=False)):
+        if name in names:
+            parent, _, leaf = name.rpartition(".")
+            (stage.get_submodule(parent) if parent else stage).register_buffer(leaf, buffer, persistent=False)
 
 
 def _tie(split: Split, mesh: DeviceMesh, modules: list[nn.Module], ranks: list[int], plan: InitPlan):
