@@ -10,7 +10,7 @@ A top-level child that holds the repeated blocks is therefore replaced by its ow
 down to the list of blocks, whose items count one by one: Llama gives `model.embed_tokens`,
 `model.rotary_emb`, `model.layers.0`, ..., `model.norm`, `lm_head`. The repeated blocks are a ModuleList /
 Sequential whose items are all of one class: a class the model names in `_no_split_modules` (Hugging Face's
-list of modules never to cut through) when it names any, else any class, at least two items. The built-in
+list of modules never to cut through) when it names any, else any class with at least two items. The built-in
 models keep their lists at the top, so their blocks are what they were.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ def _no_split_classes(model: nn.Module) -> set[str]:
 
 
 def _repeated(module: nn.Module, block_classes: set[str]) -> bool:
-    """A list of at least two blocks of one class (that class one of `block_classes` when there are any)."""
-    if not isinstance(module, LISTS) or len(module) < 2:
+    """A list of blocks of one class: one of `block_classes` (then one block is enough), or any class, two or more."""
+    if not isinstance(module, LISTS) or len(module) < (1 if block_classes else 2):
         return False
     classes = {type(m).__name__ for m in module.children()}
     return len(classes) == 1 and (not block_classes or classes <= block_classes)
@@ -63,6 +63,13 @@ def block_names(model: nn.Module) -> list[str]:
         else:
             names += _expand(name, child, block_classes)
     return names
+
+
+def nested(model: nn.Module, name: str) -> bool:
+    """Whether the block `name` sits below the top level (Note [nested blocks]): not a top-level child, nor an
+    item of a top-level ModuleList / Sequential. The model's forward calls it from inside another module."""
+    parent, _, _ = name.rpartition(".")
+    return bool(parent) and ("." in parent or not isinstance(model.get_submodule(parent), LISTS))
 
 
 def _plain_meta(t):

@@ -46,7 +46,11 @@ def chain(pipe) -> list[fx.GraphModule]:
             out = node
     result = out.args[0]
     outputs = [_value(a) for a in (result if isinstance(result, (tuple, list)) else [result])]
-    if len(outputs) != 1 or outputs[0][0] != calls[-1].name:
+    if len(outputs) != 1:
+        raise ValueError(f"the model must return one tensor (its logits), not {len(outputs)}; a Hugging Face "
+                         "model returns hidden states and attentions too when its config asks for them "
+                         "(output_hidden_states, output_attentions): set them false")
+    if outputs[0][0] != calls[-1].name:
         raise ValueError("the model must return one tensor, computed in its last stage")
     takes = [[_value(a) for a in node.args] for node in calls]
     stages, live = [], list(placeholders)

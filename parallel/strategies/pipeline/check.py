@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from parallel.blocks import nested
 from parallel.config import Config, fail, positive
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import schedules
@@ -35,4 +36,11 @@ def check_split(model: nn.Module, cfg: Config) -> None:
     here would only slow the check, and the balanced split it finds is not kept
     (nor traced again when the boundaries' trace already answers for it).
     """
-    plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False), trace_split=False)
+    split = plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False), trace_split=False)
+    inner = [n for n in split.blocks if nested(model, n)]
+    if cfg.strategy.name == "hybrid" and inner:
+        # Hybrid stages swap the model's own blocks in for the traced ones (stages.eager_blocks): a nested
+        # block's traced call passes what the trace found it needs, in the trace's order, not its signature.
+        fail("strategy", "hybrid", f"tensor- and data-parallel pipeline stages take blocks the model's forward "
+             f"calls itself; {type(model).__name__}'s sit inside other modules ({', '.join(inner[:3])}, ...)",
+             "strategy=pipeline, or strategy=hybrid with strategy.pp=1")

@@ -31,6 +31,7 @@ import warnings
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.pipelining import pipe_split, pipeline
 from torch.export.unflatten import InterpreterModule
 
@@ -50,7 +51,8 @@ def trace(model: nn.Module, example: tuple, starts: list[str]):
     Tracing rearranges the module it is given (tied weights above all), so it
     works on a copy: the model can be traced again, with other cuts.
     """
-    model = copy.deepcopy(model)
+    with unset_fake_temporarily():  # under the planner's fake mode a meta buffer would copy as a fake tensor
+        model = copy.deepcopy(model)
     for name in starts[1:]:
         model.get_submodule(name).register_forward_pre_hook(lambda *_: pipe_split())
     try:
