@@ -8,11 +8,12 @@ by module boundaries instead (running each stage's blocks with the arguments its
 would need every model's code between its blocks (embedding scale, mask building, rotary embeddings, final
 norm, a head that slices the sequence) written again per architecture; the trace has it.
 
-PyTorch's tracer fails on Hugging Face models with rotary embeddings (pytorch/pytorch#184361, #145263):
-HF computes them under `torch.no_grad()`, which export records as a `wrap_with_set_grad_enabled`
-higher-order op whose body is a submodule of the traced root, and the per-stage module outlining
-(`_outline_submodules`) does not carry that submodule into the stage that calls it ("no attribute
-'submod_1'", or a call with its inputs missing). Before the cut, each such region is inlined into the
+PyTorch's tracer fails on Hugging Face models with rotary embeddings (pytorch/pytorch#184361; seen here
+on torch 2.13 with transformers 5.23): HF computes them under `torch.no_grad()`, which export records as
+a `wrap_with_set_grad_enabled` higher-order op whose body is a submodule of the traced root, and the
+per-stage module outlining (`_outline_submodules`) does not carry that submodule into the stage that
+calls it (the outlined `rotary_emb` is called without its inputs: "Expected positional argument for
+parameter unsqueeze_default"). Before the cut, each such region is inlined into the
 graph (`_inline_grad_regions`, given to `pipeline` as its `split_policy`): its ops run where it was, and
 each result of a region that had gradients off is detached, which gives the values and gradients the
 region gave (`no_grad(f)(x)` is `f(x).detach()` for an `f` that changes nothing in place). The cuts are
