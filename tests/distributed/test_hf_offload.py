@@ -62,8 +62,6 @@ def test_hf_model_trains_as_the_users_loop(tmp_path, case):
             torch.testing.assert_close(value, final[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@pytest.mark.xfail(strict=False, reason="needs parallel/blocks.py to find a Hugging Face model's nested block list "
-                   "(model.layers.N), another change; until then the decoder is recomputed and streamed as one block")
 def test_recomputation_and_offload_take_the_decoder_layers_one_by_one():
     with torch.device("meta"):
         model = hf_models.llama(layers=2)
