@@ -4,7 +4,8 @@
     zero=1  DDP + the optimizer state sharded (ZeroRedundancyOptimizer, see parallel.optim).
     zero=2  FSDP2 fully_shard, parameters kept gathered between forward and backward
             (reshard_after_forward=False): gradients and optimizer state sharded.
-    zero=3  FSDP2 fully_shard, parameters resharded after forward: everything sharded.
+    zero=3  FSDP2 fully_shard, parameters resharded after forward (the root's from backward's end):
+            everything sharded.
 """
 from __future__ import annotations
 
@@ -37,8 +38,12 @@ def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime
         return model
     reshard = cfg.strategy.zero == 3
     # One FSDP unit per block so that only one block's parameters are gathered at
-    # a time, then the root for what is left (embeddings, head, norms).
-    for block in blocks_of(model):
+    # a time, then the root for what is left (embeddings, head, norms). The root
+    # keeps its parameters from forward to backward, as fully_shard does by default:
+    # backward starts with them (the head), so resharding would gather them again
+    # at once; a model without blocks is all root, and zero=3 reshards it.
+    blocks = blocks_of(model)
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard and not blocks)
     return model

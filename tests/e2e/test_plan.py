@@ -12,6 +12,7 @@ PLAN = str(cli.ROOT / "launch" / "plan.py")
 BIG = ["trainer.batch_size=512"]
 GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16",
        "trainer.batch_size=16"]
+HF = ["model=custom", "data.task=lm", "data.seq_len=16", "trainer.batch_size=64"]
 
 # name -> (world size, overrides); the same overrides go to train.py and plan.py
 CASES = {
@@ -30,6 +31,9 @@ CASES = {
     "offload_disk": (1, BIG + ["strategy=offload", "strategy.activations=disk"]),
     "user_model_zero3": (2, BIG + ["model=custom", "model._target_=tests.user_model.two_tower", "strategy=data",
                                    "strategy.zero=3"]),
+    # Hugging Face models read their positions to skip the causal mask: the plan reads them too (Note [planner]).
+    "hf_llama": (1, HF + ["model._target_=tests.hf_models.llama"]),
+    "hf_gpt2": (1, HF + ["model._target_=tests.hf_models.gpt2"]),
 }
 
 
