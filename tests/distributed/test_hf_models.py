@@ -58,7 +58,9 @@ def test_single_is_the_users_own_loop(reference, model):
 
 ZERO3 = ["nproc=2", "strategy=data", "strategy.zero=3"]
 RUNS = [("llama", ZERO3), ("llama", ["strategy=offload"]), ("gpt2", ZERO3), ("gpt2", ["strategy=offload"]),
-        ("bert_classifier", ZERO3), ("bare", ZERO3), ("bare", ["strategy=offload"])]
+        ("bert_classifier", ZERO3), ("bare", ZERO3), ("bare", ["strategy=offload"]),
+        ("bare", ["nproc=2", "strategy=pipeline"]),
+        ("bare", ["nproc=2", "strategy=model", "strategy.tp_plan=[blocks.*.1:colwise_gather]"])]
 
 
 @pytest.mark.timeout(240)
