@@ -41,8 +41,17 @@ ROOT = Path(__file__).resolve().parents[1]
 P = 2
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def _env(a) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if a.malloc_threshold:
+        # glibc serves allocations above its mmap threshold with fresh pages (a page fault per 4 KB), and
+        # raises the threshold to the size of each mapped block a process frees (up to 32 MB): what a
+        # process happened to free before training (the hand-written loop builds the whole model, the
+        # framework a meta one) would decide how many of a step's tensors fault. Fixed for both sides, with
+        # the heap trimmed above twice that, as glibc sets it when it raises the threshold itself.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.malloc_threshold)
+        env["MALLOC_TRIM_THRESHOLD_"] = str(2 * a.malloc_threshold)
+    return env
 
 
 def model_args(a) -> list[str]:
@@ -67,7 +76,7 @@ def framework(a, part: str, run_dir: Path) -> dict:
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), f"nproc={P}", *model_args(a), *strategy_args(a, part),
            f"trainer.steps={steps}", f"trainer.log_every={steps}", "trainer.progress=false",
            "trainer.timeout_s=600", f"run_dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(a), cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(_reason(proc))
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
@@ -79,7 +88,7 @@ def handwritten(a, part: str) -> dict:
            str(ROOT / "benchmarks" / "hf_loop.py"), f"--loop={loop}", f"--vocab={a.vocab}", f"--seq={a.seq}",
            f"--hidden={a.hidden}", f"--layers={a.layers}", f"--heads={a.heads}", f"--kv-heads={a.kv_heads}",
            f"--ffn={a.ffn}", f"--batch={a.batch}", f"--steps={a.steps + 2}", f"--microbatches={a.microbatches}"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(), cwd=ROOT).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(a), cwd=ROOT).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -113,7 +122,7 @@ def predict(a, part: str, tmp: Path) -> list[int]:
     """launch/plan.py's total per rank for the configuration of `part`."""
     cmd = [sys.executable, str(ROOT / "launch" / "plan.py"), *model_args(a), *strategy_args(a, part),
            f"world_size={P}", f"run_dir={tmp / ('plan-' + part)}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(a), cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(_reason(proc))
     ranks = json.loads((tmp / ("plan-" + part) / "plan.json").read_text())["ranks"]
@@ -148,6 +157,8 @@ def main() -> None:
                           ("kv-heads", 4), ("ffn", 2048), ("batch", 4), ("microbatches", 4)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--parts", default="data,pipeline,plan")
+    ap.add_argument("--malloc-threshold", type=int, default=32 << 20,
+                    help="glibc's mmap threshold in bytes for every run (0: glibc's own, which moves)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hf.json"))
     a = ap.parse_args()
     parts = a.parts.split(",")

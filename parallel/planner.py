@@ -45,10 +45,10 @@ skipped, and meshes made while building are made outside the fake mode.
 Waiting on a functional collective returns its output rather than the fake
 kernel's copy. Gloo (a CPU run) reduce-scatters a copy of the whole input,
 allocated inside the collective and split when it is waited on: while a
-reduce-scatter runs the plan holds one more storage of its input's size (on
-a 125M Llama under data zero 3 the root's gradients, 197 MB, twice). Each rank role is planned on its own thread
-(`_in_own_thread`), so DTensor's per-thread caches never hand one role the
-meshes of another.
+reduce-scatter runs, the plan holds one more storage of its input's size (on
+a 125M Llama under data zero 3, the root's gradients: 197 MB, at the peak).
+Each rank role is planned on its own thread (`_in_own_thread`), so DTensor's
+per-thread caches never hand one role the meshes of another.
 
 Values from shapes (parallel.shape_values): fake tensors hold no values, so
 code that reads one must guess, and Hugging Face guesses on purpose. A fake
@@ -56,7 +56,7 @@ tensor counts as a trace, so its mask code does not read that the positions
 are one unpacked sequence and builds the causal mask that a real run leaves to
 SDPA's `is_causal`; with a mask, grouped keys and values are also repeated
 before SDPA. Both are saved for backward (+6.6% on a small Llama, +1.4% on
-GPT-2). So `aten.arange` on the CPU, and the ops that take only its results,
+GPT-2; the SDPA kernel, the CPU flash one, is the same in both runs). So `aten.arange` on the CPU, and the ops that take only its results,
 run for real while planning (up to 2**20 elements an op): positions, and what
 follows from them alone, are the same in every run, and the model reads them
 as the real run does. Data, weights and random numbers stay fake.

@@ -4,8 +4,8 @@
     zero=1  DDP + the optimizer state sharded (ZeroRedundancyOptimizer, see parallel.optim).
     zero=2  FSDP2 fully_shard, parameters kept gathered between forward and backward
             (reshard_after_forward=False): gradients and optimizer state sharded.
-    zero=3  FSDP2 fully_shard, parameters resharded after forward (the root's from backward's end):
-            everything sharded.
+    zero=3  FSDP2 fully_shard, parameters resharded after forward (the root's after backward, which
+            starts with them): everything sharded.
 """
 from __future__ import annotations
 
