@@ -3,12 +3,15 @@ hand-written models with their own initialization, and the plain PyTorch loop a 
 them, which every strategy is compared with."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from parallel.config import DataConfig
 from parallel.data import SyntheticData
+from tests import cli
 
 # Every HF test runs with these (a constant learning rate keeps the plain loop the user's own).
 HF_FAST = ["trainer.steps=4", "trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true",
@@ -129,3 +132,40 @@ def plain_loop(factory, kwargs: dict, data: DataConfig, steps: int = 4, batch_si
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return torch.tensor(losses, dtype=torch.float64), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# Comparing a CLI run with the plain loop (tests/distributed/test_hf_*.py).
+DATA = {  # the data each model takes, as CLI overrides and as the plain loop's DataConfig
+    "llama": (["data.task=lm", "data.seq_len=16"], DataConfig(task="lm", seq_len=16)),
+    "gpt2": (["data.task=lm", "data.seq_len=16"], DataConfig(task="lm", seq_len=16)),
+    "bert_classifier": (["data.task=classification", "data.inputs=tokens", "data.seq_len=16", "data.classes=4"],
+                        DataConfig(task="classification", inputs="tokens", seq_len=16, classes=4)),
+    "batchnorm_cnn": (["data.task=classification", "data.features=64"],
+                      DataConfig(task="classification", features=64)),
+    "bare": (["data.task=lm", "data.seq_len=16"], DataConfig(task="lm", seq_len=16)),
+}
+
+
+def args(model: str) -> list[str]:
+    return HF_FAST + ["model=custom", f"model._target_=tests.hf_models.{model}"] + DATA[model][0]
+
+
+@functools.lru_cache(maxsize=None)
+def plain(model: str, pretrained: str | None = None):
+    """(losses, final state) of the user's own loop; from `pretrained` (a save_pretrained directory) if given."""
+    start = None
+    if pretrained is not None:
+        from transformers import AutoModelForCausalLM
+
+        start = AutoModelForCausalLM.from_pretrained(pretrained)
+    return plain_loop(globals()[model], {}, DATA[model][1], model=start)
+
+
+def assert_as_plain(run_dir, model: str, pretrained: str | None = None, first_step: int = 1) -> None:
+    """Loss per step within 1e-4 relative and final weights equal (rtol 1e-4, atol 1e-5) to the plain loop's."""
+    losses, state = plain(model, pretrained)
+    torch.testing.assert_close(cli.losses(run_dir), losses[first_step - 1:], rtol=1e-4, atol=0)
+    final = cli.final_weights(run_dir)
+    assert sorted(final) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

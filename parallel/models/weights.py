@@ -63,17 +63,20 @@ def _on_rank0(write, path: Path) -> None:
 def initial_values(m: ModelConfig, seed: int, run_dir: Path, model: nn.Module, plan: InitPlan) -> Values:
     """This run's `Values` (collective: every rank calls it). `model` is the meta model, `plan` its names."""
     weights = weights_path(m)
+    pretrained = None if weights is None else \
+        FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", ""))
     if m.init == "name":
         own: Values = ByName(seed, model)
-    elif weights is None or (not m.strict and _missing(m, weights, model, plan)):
+    elif pretrained is None or (not m.strict and pretrained.problems(plan, {})[0]):
         path = Path(run_dir) / "initial_weights.safetensors"  # removed once every rank has read it (`done`)
         _on_rank0(lambda p: write_own_weights(m, seed, p), path)
         own = FromFiles(WeightFiles(str(path)), plan)
     else:
         own = ConstructedBuffers(lambda: resolve_factory(m)(**model_args(m)), seed)
-    if weights is None:
+    if pretrained is None:
         return own
-    return FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", ""), own)
+    pretrained.fallback = own  # what the files lack (non-persistent buffers; with model.strict=false, more)
+    return pretrained
 
 
 def done(run_dir: Path) -> None:
@@ -82,10 +85,6 @@ def done(run_dir: Path) -> None:
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
         (Path(run_dir) / "initial_weights.safetensors").unlink(missing_ok=True)
-
-
-def _missing(m: ModelConfig, weights: str, model: nn.Module, plan: InitPlan) -> list[str]:
-    return FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", "")).problems(plan, {})[0]
 
 
 def check_weights(m: ModelConfig, model: nn.Module) -> None:

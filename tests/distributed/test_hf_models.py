@@ -2,50 +2,10 @@
 BatchNorm CNN, a hand-written model with bare parameters and a tie) train under the strategies exactly as the
 user's own plain PyTorch loop does: same initial weights (model.init=module), same batches, AdamW; pretrained
 directories load into sharded strategies; a checkpoint saved under one strategy resumes under another."""
-import functools
-
 import pytest
-import torch
 
-from parallel.config import DataConfig
-from tests import cli, hf_models
-from tests.hf_models import HF_FAST
-
-DATA = {  # the data each model takes, as CLI overrides and as the plain loop's DataConfig
-    "llama": (["data.task=lm", "data.seq_len=16"], DataConfig(task="lm", seq_len=16)),
-    "gpt2": (["data.task=lm", "data.seq_len=16"], DataConfig(task="lm", seq_len=16)),
-    "bert_classifier": (["data.task=classification", "data.inputs=tokens", "data.seq_len=16", "data.classes=4"],
-                        DataConfig(task="classification", inputs="tokens", seq_len=16, classes=4)),
-    "batchnorm_cnn": (["data.task=classification", "data.features=64"],
-                      DataConfig(task="classification", features=64)),
-    "bare": (["data.task=lm", "data.seq_len=16"], DataConfig(task="lm", seq_len=16)),
-}
-
-
-def args(model: str) -> list[str]:
-    return HF_FAST + ["model=custom", f"model._target_=tests.hf_models.{model}"] + DATA[model][0]
-
-
-@functools.lru_cache(maxsize=None)
-def plain(model: str, pretrained: str | None = None):
-    """(losses, final state) of the user's own loop; from `pretrained` (a save_pretrained directory) if given."""
-    start = None
-    if pretrained is not None:
-        from transformers import AutoModelForCausalLM
-
-        start = AutoModelForCausalLM.from_pretrained(pretrained)
-    return hf_models.plain_loop(getattr(hf_models, model), {}, DATA[model][1], model=start)
-
-
-def assert_as_plain(run_dir, model: str, pretrained: str | None = None, first_step: int = 1) -> None:
-    """Loss per step within 1e-4 relative and final weights equal (rtol 1e-4, atol 1e-5) to the plain loop's."""
-    losses, state = plain(model, pretrained)
-    torch.testing.assert_close(cli.losses(run_dir), losses[first_step - 1:], rtol=1e-4, atol=0)
-    final = cli.final_weights(run_dir)
-    assert sorted(final) == sorted(state)
-    for name, value in state.items():
-        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-
+from tests import cli
+from tests.hf_models import DATA, HF_FAST, args, assert_as_plain
 
 SINGLE = ["llama", "gpt2", "bert_classifier", "batchnorm_cnn", "bare"]
 

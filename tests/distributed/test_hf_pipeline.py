@@ -4,8 +4,7 @@ and a BERT classifier (encoder, pooler, head), split at their nested decoder / e
 import pytest
 
 from tests import cli
-from tests.distributed.test_hf_models import DATA, args, assert_as_plain
-from tests.hf_models import HF_FAST
+from tests.hf_models import DATA, HF_FAST, args, assert_as_plain
 
 PIPE = ["nproc=2", "strategy=pipeline"]
 

@@ -5,8 +5,7 @@ inferred plan, each on 2 ranks; Llama on dp2 x tp2."""
 import pytest
 
 from tests import cli
-from tests.distributed.test_hf_models import DATA, args, assert_as_plain
-from tests.hf_models import HF_FAST
+from tests.hf_models import DATA, HF_FAST, args, assert_as_plain
 
 TP2 = ["nproc=2", "strategy=model"]
 

@@ -165,14 +165,15 @@ def test_bad_models_and_weights_are_config_errors(case, key, words, hf_dirs, tmp
         cfg.model.auto_class = "AutoModelForMagic"
     elif case == "override":
         cfg.model.config = {"num_hidden_layer": 1}
-    elif case in ("shapes", "names"):
+    elif case == "shapes":
         cfg.model = ModelConfig(name="custom", _target_="tests.hf_models.llama", weights=bad_weights(tmp_path))
-        if case == "names":
-            state = hf_models.llama().state_dict()
-            state["extra.weight"] = torch.zeros(2)
-            del state["model.norm.weight"]
-            save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "names.safetensors")
-            cfg.model.weights = str(tmp_path / "names.safetensors")
+    elif case == "names":
+        state = hf_models.llama().state_dict()
+        state["extra.weight"] = torch.zeros(2)
+        del state["model.norm.weight"]
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "names.safetensors")
+        cfg.model = ModelConfig(name="custom", _target_="tests.hf_models.llama",
+                                weights=str(tmp_path / "names.safetensors"))
     elif case == "no_logits":
         cfg.model = ModelConfig(name="custom", _target_="tests.hf_models.hidden_states_only")
     elif case == "no_transformers":
