@@ -1,6 +1,6 @@
 """Typed configuration: the schemas behind conf/, the errors, and each group's own simple checks.
 
-Each config group (strategy, model, data, optim, trainer, memory) has a dataclass
+Each config group (strategy, model, data, optim, trainer, loss, memory) has a dataclass
 here, stored in Hydra's ConfigStore as the base of the root config, so a wrong
 type or an unknown key fails while Hydra composes. This module is the bottom
 layer: it imports nothing of the project. A group's checks of its own values sit
@@ -24,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant")
 BALANCES = ("time", "memory", "params")
 ZERO_LEVELS = (0, 1, 2, 3)
+LOSS_REDUCTIONS = ("mean", "sum")
 
 
 class ConfigError(ValueError):
@@ -182,6 +183,26 @@ class TrainerConfig:
     # Continue from a checkpoint: its directory, a run directory (its newest complete one), or auto (this
     # run directory's newest; none there: start at step 0). Workers restarted by torchrun resume auto.
     resume: Optional[str] = None
+    # Evaluate every N steps and at the last step (0: never), over eval_batches global batches of the eval data
+    # (parallel.evaluation); forward only, and training goes on exactly as without it.
+    eval_every: int = 0
+    eval_batches: int = 4
+
+
+@dataclass
+class LossConfig:
+    # A built-in by name (parallel.loss.LOSSES); None: the task's (regression: mse, classification and lm:
+    # cross_entropy).
+    name: Optional[str] = None
+    # A user function "package.module.fn", (output, target, **args) -> a scalar; replaces the built-in.
+    _target_: Optional[str] = None
+    # Keyword arguments of the function (a built-in's too: label_smoothing, delta, ...).
+    args: Dict[str, Any] = field(default_factory=dict)
+    # Integer targets equal to it are padding: not counted, no loss (Note [global loss] in parallel/loss.py).
+    ignore_index: int = -100
+    # What the user's function returns: mean (over its samples) or sum (over its counted targets); either way
+    # the run's loss is normalized over the counted targets of the whole global batch.
+    reduction: str = "mean"
 
 
 @dataclass
@@ -199,6 +220,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Workers to start when not under torchrun; None: 1, or torchrun's world size.
     nproc: Optional[int] = None
@@ -256,6 +278,8 @@ def check_trainer(t: TrainerConfig) -> None:
     positive("trainer.seed", t.seed, allow_zero=True)
     positive("trainer.checkpoint_every", t.checkpoint_every, allow_zero=True)
     positive("trainer.keep_checkpoints", t.keep_checkpoints)
+    positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    positive("trainer.eval_batches", t.eval_batches)
     if t.clip_grad_norm < 0:
         fail("trainer.clip_grad_norm", t.clip_grad_norm, "must be >= 0 (0 disables clipping)")
     if t.timeout_s <= 0:

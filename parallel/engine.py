@@ -7,8 +7,11 @@ stays in the strategy:
 
     model                what the optimizer and the memory watch see (this rank's pieces)
     holds_loss           this rank computes the loss (a pipeline's last stage; every rank otherwise)
-    loss_group           the ranks that each hold a slice of the batch; the logged loss is their mean
-    forward_backward     the whole step's forward and backward over this rank's batch; returns its mean loss
+    loss_group           the ranks that each hold a slice of the batch; the logged loss is their sum
+    forward_backward     the whole step's forward and backward over this rank's batch; returns this rank's
+                         part of the global loss (Note [global loss] in parallel/loss.py)
+    evaluate             forward only over this rank's slice of an eval batch, no gradients, training mode
+                         and random generators as they were; returns its [summed loss, count, correct]
     clip                 the global gradient norm (over every shard and stage), clipped when max_norm > 0
     metrics              the engine's own figures for a logged step (collective: every rank calls it)
     make_optimizer       an engine that steps its own weights returns its optimizer (offload); None otherwise
@@ -26,10 +29,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from parallel.config import Config
+from parallel.loss import Loss
 from parallel.optim import adamw_state, clip_grad_norm
 
 
@@ -49,7 +54,13 @@ class Engine:
     wants_next_input: bool = False
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """This rank's mean loss over its slice of the global batch; gradients are left ready for the step."""
+        """This rank's part of the step's global loss (summed over the loss group: the loss); gradients are
+        left ready for the step."""
+        raise NotImplementedError
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """[summed loss, counted targets, correct predictions] (float64) of this rank's slice of an eval
+        batch (zeros where the loss is not computed), forward only."""
         raise NotImplementedError
 
     def clip(self, max_norm: float) -> torch.Tensor:
@@ -110,6 +121,27 @@ class Engine:
         pass
 
 
+def grad_average(group) -> int:
+    """The number of ranks DDP / FSDP average gradients over: each rank's loss is scaled by it (Note [global
+    loss])."""
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def evaluating(modules: list[nn.Module]):
+    """The modules in eval mode without gradients; each submodule's own mode back afterwards (a frozen part
+    may have been in eval mode on purpose)."""
+    modes = [(m, m.training) for module in modules for m in module.modules()]
+    for module in modules:
+        module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 class LocalEngine(Engine):
     """The whole model (or its tensor-parallel / sharded pieces) on every rank: single, data, model, hybrid
     without pipeline. Forward and backward with gradient accumulation.
@@ -117,26 +149,38 @@ class LocalEngine(Engine):
     Args:
         model: the parallelized, materialized model.
         cfg: the run config.
-        loss_fn: (output, target) -> mean loss.
+        loss: the run's loss (Note [global loss] in parallel/loss.py).
         loss_group: the group whose ranks each hold a slice of the batch (data parallel).
         device: this rank's device.
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, loss_fn, loss_group, device: torch.device):
-        self.model, self.cfg, self.loss_fn, self.loss_group, self.device = model, cfg, loss_fn, loss_group, device
+    def __init__(self, model: nn.Module, cfg: Config, loss: Loss, loss_group, device: torch.device):
+        self.model, self.cfg, self.loss, self.loss_group, self.device = model, cfg, loss, loss_group, device
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         accum = self.cfg.trainer.grad_accum
+        scale = grad_average(self.loss_group)
+        self.loss.start_step(y, self.loss_group, scale)
         total = torch.zeros((), device=x.device)
         for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
             # Gradients are reduced across data-parallel ranks only on the last micro-step.
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 / replicate modules have it
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with autocast(self.cfg, self.device):
-                loss = self.loss_fn(self.model(xs), ys) / accum
+                loss = self.loss(self.model(xs), ys)  # already a share of the global loss: no / accum
             loss.backward()
-            total += loss.detach()
-        return total
+            total += loss.detach().float()
+        return total / scale
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # In the training microbatches' size: the memory a step has room for.
+        accum = self.cfg.trainer.grad_accum
+        scores = torch.zeros(3, dtype=torch.float64, device=x.device)
+        with evaluating([self.model]):
+            for xs, ys in zip(x.chunk(accum), y.chunk(accum)):
+                with autocast(self.cfg, self.device):
+                    scores += self.loss.score(self.model(xs), ys)
+        return scores
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model, max_norm)

@@ -1,11 +1,46 @@
-"""The loss of each built-in task: a mean over the samples (tokens, for lm) it is given, of the model's output
-read for its logits (a tensor, a Hugging Face `ModelOutput`, a dict or a tuple)."""
+"""The loss: a built-in by name or the user's function, normalized over the counted targets of the whole global
+batch (Note [global loss]), and the figures an evaluation adds up (loss, counted targets, correct predictions).
+
+# Note [global loss]
+The loss of a step is a mean over the counted targets of the WHOLE global batch: for a token loss with
+padding (integer targets equal to `loss.ignore_index`), the sum of the real tokens' losses divided by the
+number of real tokens in the global batch, whatever the microbatching, the accumulation or the data-parallel
+degree. A per-microbatch mean averaged over microbatches (or ranks) weighs a token of a short microbatch
+more than one of a long one: accumulation and data parallelism would then train another model than one
+process on the whole batch, as soon as microbatches hold different numbers of real tokens.
+
+So every microbatch contributes `sum / N` to the step's loss, where `sum` is its summed loss and N the
+count of counted targets over the global batch:
+
+- N is counted once per step, before the first forward, from the targets every rank already has (a pipeline
+  reads the batch on every stage): this rank's count, summed over the data-parallel ranks by one scalar
+  all-reduce. Float targets (regression) count every element, so their N is this rank's count x dp and needs
+  no collective. N is at least 1 (a batch of padding only gives loss 0, not NaN).
+- A built-in returns the sum itself (`reduction="sum"` of PyTorch's functional losses, `ignore_index` for
+  cross-entropy). A user function declares what it returns (`loss.reduction`): `sum` is used as is; a `mean`
+  over its counted targets is multiplied back by its microbatch's count. That is exact for a mean over the
+  counted targets (F.cross_entropy's own `ignore_index` mean), and for any mean over samples when the
+  microbatches hold equal numbers of counted targets (no padding).
+- DDP and FSDP average gradients over the data-parallel ranks (a mean, as their own loss would be per rank):
+  each rank differentiates dp x its contributions (`scale`), so the average is the gradient of the global
+  loss. Pipeline schedules run with `scale_grads=False` (they would otherwise divide by the microbatch
+  count, the per-microbatch-mean convention), and gradient accumulation adds the contributions without
+  dividing by the micro-steps.
+
+The logged loss is the sum of the contributions over microbatches and data-parallel ranks: the same global
+mean `single` computes over the whole batch in one piece. An evaluation adds up the unnormalized sums and
+counts of all its batches and divides once (`Loss.score`).
+"""
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from parallel.config import LOSS_REDUCTIONS, LossConfig, fail
 
 
 def logits_of(out) -> torch.Tensor:
@@ -25,16 +60,172 @@ def logits_of(out) -> torch.Tensor:
                     "output with 'logits'")
 
 
-def _task_loss(task: str):
-    if task == "regression":
-        return F.mse_loss
-    if task == "classification":
-        return F.cross_entropy
-    return lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def _cross_entropy(logits, targets, ignore_index: int, **args):
+    # Classification (N, C) and lm (N, T, V) alike: the class dimension last, everything else flattened.
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
+                           reduction="sum", **args)
 
 
-def loss_fn(task: str):
-    """The loss of `task` (regression: MSE; classification and lm: cross-entropy) of the output's logits,
-    computed in fp32."""
-    base = _task_loss(task)
-    return lambda out, targets: base(logits_of(out).float(), targets)
+def _elementwise(fn):
+    return lambda out, targets, ignore_index, **args: fn(out, targets.to(out.dtype), reduction="sum", **args)
+
+
+# Built-ins, each returning the SUM over its counted targets of the output's logits in fp32 (Note [global loss]).
+LOSSES = {
+    "mse": _elementwise(F.mse_loss),
+    "l1": _elementwise(F.l1_loss),
+    "huber": _elementwise(F.huber_loss),
+    "smooth_l1": _elementwise(F.smooth_l1_loss),
+    "cross_entropy": _cross_entropy,
+}
+TASK_LOSSES = {"regression": "mse", "classification": "cross_entropy", "lm": "cross_entropy"}
+
+
+def resolve_loss_fn(c: LossConfig):
+    """The user's `loss._target_` function (None for a built-in); a path that does not import is a
+    ConfigError."""
+    if not c._target_:
+        return None
+    mod_name, _, attr = c._target_.rpartition(".")
+    if not mod_name:
+        fail("loss._target_", c._target_, "must be a dotted path 'package.module.function'")
+    try:
+        fn = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        fail("loss._target_", c._target_, f"cannot be imported ({type(e).__name__}: {e})")
+    if not callable(fn):
+        fail("loss._target_", c._target_, "is not callable")
+    return fn
+
+
+class Loss:
+    """The run's loss (Note [global loss]).
+
+    Args:
+        c: the loss config.
+        task: data.task (the default built-in; accuracy for classification and lm).
+    """
+
+    def __init__(self, c: LossConfig, task: str):
+        self.ignore_index, self.reduction = c.ignore_index, c.reduction
+        self.user = resolve_loss_fn(c)
+        self.name = c.name or TASK_LOSSES.get(task, "mse")
+        self.args = dict(c.args)
+        self.classifies = task in ("classification", "lm")
+        self.scale = 1  # what each contribution is multiplied by in backward: the gradient-averaging degree
+        self.total: torch.Tensor | None = None  # N of the step being trained
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        """Counted targets in `targets` (int64): integer ones not equal to ignore_index; float ones all."""
+        if targets.is_floating_point():
+            return torch.tensor(targets.numel(), device=targets.device)
+        return (targets != self.ignore_index).sum()
+
+    def summed(self, out, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the summed loss over the counted targets, their count) of one microbatch."""
+        count = self.count(targets)
+        if self.user is None:
+            return LOSSES[self.name](logits_of(out).float(), targets, self.ignore_index, **self.args), count
+        value = self.user(out, targets, **self.args)
+        return (value if self.reduction == "sum" else value * count), count
+
+    def start_step(self, targets: torch.Tensor, group, scale: int) -> None:
+        """Count N for the step whose (this rank's) targets are `targets`, over the ranks of `group`; `scale`:
+        the degree the gradients are averaged over (Note [global loss])."""
+        self.scale = scale
+        size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        total = self.count(targets)
+        if size > 1:
+            if targets.is_floating_point():
+                total = total * size
+            else:
+                dist.all_reduce(total, group=group)
+        self.total = total.clamp(min=1)
+
+    def __call__(self, out, targets: torch.Tensor) -> torch.Tensor:
+        """A microbatch's contribution to the step's loss, times `scale`: what backward differentiates."""
+        return self.summed(out, targets)[0] * (self.scale / self.total)
+
+    def score(self, out, targets: torch.Tensor) -> torch.Tensor:
+        """[summed loss, counted targets, correct predictions] of an evaluation microbatch (float64), to be
+        added up over batches and ranks; correct: the logits' argmax equal to a counted target (0 when
+        the task does not classify or the shapes do not match)."""
+        value, count = self.summed(out, targets)
+        correct = torch.zeros((), device=targets.device)
+        if self.classifies:
+            logits = logits_of(out)
+            if logits.shape[:-1] == targets.shape:
+                correct = ((logits.argmax(-1) == targets) & (targets != self.ignore_index)).sum()
+        return torch.stack([value.detach().double(), count.double(), correct.double()])
+
+
+def build_loss(c: LossConfig, task: str) -> Loss:
+    """The run's loss (checked before the workers start: `check_loss`)."""
+    return Loss(c, task)
+
+
+def check_loss_config(c: LossConfig) -> None:
+    """The loss's own keys: the name, the reduction, the user function's import path."""
+    if c.reduction not in LOSS_REDUCTIONS:
+        fail("loss.reduction", c.reduction, "unknown reduction", list(LOSS_REDUCTIONS))
+    if c._target_:
+        resolve_loss_fn(c)
+    elif c.name is not None and c.name not in LOSSES:
+        fail("loss.name", c.name, "unknown loss; use a built-in or set loss._target_", sorted(LOSSES))
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-4 * max(abs(a), abs(b), 1e-12)
+
+
+def check_loss(c: LossConfig, task: str, out, targets: torch.Tensor) -> None:
+    """The loss on real outputs (random, shaped as the model's) and real targets of two samples: a scalar,
+    and a mean or a sum as `loss.reduction` says: on a batch of one sample duplicated a mean gives that
+    sample's value, a sum twice it.
+
+    Args:
+        out: the model's output for two samples (fake or meta tensors: only their shapes are read).
+        targets: two samples' targets.
+    """
+    from torch.utils._pytree import tree_map_only
+
+    loss = Loss(c, task)
+    g = torch.Generator().manual_seed(0)
+    out = tree_map_only(torch.Tensor, lambda t: torch.randn(t.shape, generator=g) if t.is_floating_point()
+                        else torch.zeros(t.shape, dtype=t.dtype), out)
+    key, value = ("loss._target_", c._target_) if c._target_ else ("loss.name", loss.name)
+    one = _tree_map(lambda t: t[:1], out)
+    two = _tree_map(lambda t: torch.cat([t[:1], t[:1]]), out)
+    got = []
+    for o, y in ((one, targets[:1]), (two, torch.cat([targets[:1], targets[:1]]))):
+        try:
+            with torch.no_grad():
+                result = loss.user(o, y, **loss.args) if loss.user else loss.summed(o, y)[0]
+        except Exception as e:  # noqa: BLE001 - any failure is the loss not taking this output
+            fail(key, value, f"fails on the model's output and the data's targets: {type(e).__name__}: "
+                 f"{str(e).splitlines()[0] if str(e) else ''}")
+        if not isinstance(result, torch.Tensor) or result.ndim != 0:
+            shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            fail(key, value, f"must return a scalar tensor (a mean or a sum over its samples); it returned {shape}")
+        got.append(float(result))
+    if loss.user is None:
+        return
+    mean, total = _close(got[1], got[0]), _close(got[1], 2 * got[0])
+    if c.reduction == "mean" and not mean:
+        what = "a sum" if total else "neither a mean nor a sum"
+        fail(key, value, f"returns {what} over its samples (a batch of one sample duplicated gives {got[1]:.6g}, "
+             f"the sample alone {got[0]:.6g}); loss.reduction=mean needs a mean over the samples",
+             ["a mean", "loss.reduction=sum for a sum"])
+    if c.reduction == "sum" and not total:
+        what = "a mean" if mean else "neither a mean nor a sum"
+        fail(key, value, f"returns {what} over its samples (a batch of one sample duplicated gives {got[1]:.6g}, "
+             f"the sample alone {got[0]:.6g}); loss.reduction=sum needs a sum over the counted targets",
+             ["a sum", "loss.reduction=mean for a mean"])
+
+
+def _tree_map(fn, out):
+    """`fn` applied to every tensor in a model's output with a batch dimension (tensors, tuples, dicts and
+    Hugging Face ModelOutputs, which torch's pytree knows)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: fn(t) if t.ndim and t.shape[0] == 2 else t, out)

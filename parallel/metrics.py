@@ -148,6 +148,8 @@ class Metrics:
 def _tb_name(key: str) -> str:
     """TensorBoard tag of a metrics.jsonl key: grouped, per-rank lists as <key>/rank<N>."""
     key = key.removesuffix("_per_rank")
+    if key.startswith("eval_"):
+        return f"eval/{key.removeprefix('eval_')}"
     if key.startswith(("mem_", "rss_")):
         return f"memory/{key}"
     if key.startswith("offload_"):

@@ -107,10 +107,10 @@ def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def all_mean(value: torch.Tensor, group=None) -> torch.Tensor:
-    """Mean of a scalar over a process group (gloo has no AVG, so SUM / size)."""
+def all_sum(value: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of a scalar over a process group."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return value
     value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-    return value / dist.get_world_size(group)
+    return value

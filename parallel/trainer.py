@@ -1,4 +1,4 @@
-"""One owner of a run: build it, resume it, train it, save it, close it.
+"""One owner of a run: build it, resume it, train it, evaluate it, save it, close it.
 
 `run_training` is what a worker does once its process group and run directory
 exist (parallel.launcher); `build_run` is also what the planner runs on fake
@@ -18,16 +18,16 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from parallel import checkpoint
+from parallel import checkpoint, evaluation
 from parallel.config import Config
-from parallel.data import DataSource, build_data
+from parallel.data import DataSource, build_data, build_eval_data
 from parallel.dims import ParallelDims
 from parallel.engine import Engine
 from parallel.init import ByName, InitPlan, init_plan
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss
 from parallel.models import weights
 from parallel.models.build import build_meta_model
-from parallel.optim import all_mean, build_optimizer, build_scheduler
+from parallel.optim import all_sum, build_optimizer, build_scheduler
 from parallel.runtime import Runtime
 from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
@@ -48,6 +48,7 @@ class Run:
     plan: InitPlan  # of the unpartitioned model: names -> initialization and canonical names of tied weights
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
     rng_seed: int = 0  # this rank's stream of random numbers (Note [random numbers] in parallel/seeding.py)
+    eval_data: DataSource | None = None  # with trainer.eval_every (Note [evaluation] in parallel/evaluation.py)
 
     def canonical(self) -> dict[str, str]:
         """Every parameter name -> the name its optimizer state is saved under (a tied weight's first)."""
@@ -57,6 +58,8 @@ class Run:
         """Release the engine's threads and files and the data's readers (also when the run failed)."""
         self.engine.close()
         self.data.close()
+        if self.eval_data is not None:
+            self.eval_data.close()
 
 
 def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, model=None,
@@ -86,8 +89,10 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
     rng_seed = stream_seed(cfg.trainer.seed, dp_rank, mesh["pp"].get_local_rank())
+    eval_data = build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp) \
+        if cfg.trainer.eval_every else None
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
-               rng_seed=rng_seed)
+               rng_seed=rng_seed, eval_data=eval_data)
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
@@ -176,10 +181,13 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
             torch.cuda.synchronize(run.device)
         window.add(time.perf_counter() - t0, data_time, watched)
         bar.update(1)
+        evals = log_eval(run, step) if evaluation.due(cfg, step) else {}
         if logging_step:
-            record = log_step(run, metrics, memory, window, step, loss, norm)
+            record = log_step(run, metrics, memory, window, step, loss, norm, evals)
             losses.append(record["loss"])
             bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
+        elif evals:
+            metrics.log({"step": step, **evals})
         if checkpoints.due(step):
             checkpoints.save(run, step)
     gc.unfreeze()  # a sweep runs several jobs in one process: let this run's objects go
@@ -188,12 +196,21 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     return losses
 
 
+def log_eval(run: Run, step: int) -> dict:
+    """Evaluate after `step` (collective: every rank calls it); the figures, also in the log."""
+    record = evaluation.evaluate(run.cfg, run.engine, run.eval_data, run.device)
+    if run.is_logger:
+        log.info("step %d  %s", step, "  ".join(f"{k} {v:.6f}" for k, v in record.items()))
+    return record
+
+
 def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", step: int, loss: torch.Tensor,
-             norm: torch.Tensor) -> dict:
-    """Write the record of a logged step (collective: every rank calls it) and return it."""
+             norm: torch.Tensor, evals: dict | None = None) -> dict:
+    """Write the record of a logged step (collective: every rank calls it), with the evaluation's figures
+    after that step if any, and return it."""
     t = run.cfg.trainer
-    # Each dp rank averaged over an equal slice, so the mean of their means is the global mean.
-    loss_value = all_mean(loss, run.engine.loss_group).item()
+    # Each dp rank holds its share of the global loss (Note [global loss] in parallel/loss.py): their sum.
+    loss_value = all_sum(loss, run.engine.loss_group).item()
     step_time, data_time = window.take()
     record = {
         "step": step, "loss": loss_value, "lr": run.scheduler.get_last_lr()[0],
@@ -204,6 +221,7 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
     record.update(run.engine.metrics())
     record.update(memory_record(memory))
     record.update(state_record(run))
+    record.update(evals or {})
     metrics.log(record)
     if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
         log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s", step, loss_value,

@@ -12,9 +12,10 @@ from omegaconf import DictConfig, OmegaConf
 from parallel.batchnorm import check_sync_batchnorm
 from parallel.checkpoint import check_resume
 from parallel.config import Config, check_optim, check_trainer, fail, pipelined, positive, tensor_parallel
-from parallel.data import check_data
+from parallel.data import check_data, example_target, has_eval_data
 from parallel.data.shards import read_hints
 from parallel.dims import ParallelDims
+from parallel.loss import check_loss, check_loss_config
 from parallel.memory.budget import check_memory
 from parallel.models.build import build_meta_model, check_model, check_model_takes_data
 from parallel.models.weights import check_weights
@@ -73,6 +74,10 @@ def validate(cfg: Config, world_size: int) -> None:
         positive("nproc", cfg.nproc)
     check_optim(cfg.optim)
     check_data(cfg.data)
+    check_loss_config(cfg.loss)
+    if cfg.trainer.eval_every and not has_eval_data(cfg.data):
+        fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",
+             ["0 (no evaluation)", "data=synthetic (a held-out stream)"])
     check_memory(cfg.memory)
     s = cfg.strategy
     if s.name == "auto":  # each candidate is validated as it is tried (parallel.auto)
@@ -87,7 +92,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if pipelined(s):
         check_pipeline(cfg, per_rank)
     # 3. The model, then what needs it: the offload disk's room, BatchNorm layers to sync, a checkpoint to
-    #    resume, the tensor plan, the pipeline split, and the data's shapes through the model.
+    #    resume, the tensor plan, the pipeline split, the data's shapes through the model, and the loss on
+    #    real outputs of the model's shape.
     check_model(cfg.model)
     check_weights(cfg.model, build_meta_model(cfg.model))
     if s.name == "offload" and s.path is not None:
@@ -100,7 +106,9 @@ def validate(cfg: Config, world_size: int) -> None:
         check_plan(build_meta_model(cfg.model), cfg)
     if pipelined(s):
         check_split(build_meta_model(cfg.model), cfg)
-    check_model_takes_data(cfg)
+    out = check_model_takes_data(cfg)
+    if out is not None:
+        check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data))
 
 
 def _check_batch(cfg: Config) -> int:

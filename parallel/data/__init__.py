@@ -26,6 +26,34 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp
     return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size)
 
 
+def build_eval_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0,
+                    dp_size: int = 1) -> DataSource | None:
+    """The eval data (Note [evaluation] in parallel/evaluation.py), or None when the configuration has none.
+
+    Its `batch(i, device)`, i = 1, 2, ..., is this rank's slice of eval batch i (a fixed order, whatever the
+    training step or the world size); `num_batches` is how many there are (None: unbounded). Synthetic data
+    holds out a stream of its own (batch i seeded by "data.eval.<i>"); data=shards has none.
+    """
+    if cfg.name == "synthetic":
+        return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size, stream="data.eval.")
+    return None
+
+
+def has_eval_data(cfg: DataConfig) -> bool:
+    """Whether `build_eval_data` gives eval data for this configuration (checked before workers start)."""
+    return cfg.name == "synthetic"
+
+
+def example_target(d: DataConfig, batch: int = 2) -> torch.Tensor:
+    """Real targets of `batch` samples of the task, as the data source hands them out (random)."""
+    g = torch.Generator().manual_seed(0)
+    if d.task == "lm":
+        return torch.randint(0, d.vocab_size, (batch, d.seq_len), generator=g)
+    if d.task == "classification":
+        return torch.randint(0, d.classes, (batch,), generator=g)
+    return torch.randn(batch, d.targets, generator=g)
+
+
 def example_input(d: DataConfig, batch: int = 2, device: str | torch.device = "meta") -> tuple:
     """The model's positional inputs for `batch` samples, as the data source hands them out (zeros)."""
     if d.task == "lm" or d.inputs == "tokens":
@@ -51,4 +79,5 @@ def check_data(d: DataConfig) -> None:
         fail("data.noise", d.noise, "must be >= 0")
 
 
-__all__ = ["DataSource", "ShardData", "SyntheticData", "build_data", "check_data", "example_input"]
+__all__ = ["DataSource", "ShardData", "SyntheticData", "build_data", "build_eval_data", "check_data",
+           "example_input", "example_target", "has_eval_data"]

@@ -19,10 +19,15 @@ class SyntheticData:
         seed: the run's seed.
         batch_size: the global batch.
         dp_rank, dp_size: this rank's place among the data-parallel ranks.
+        stream: the name batch k's generator is seeded by, with k appended: "data.step." for training,
+            "data.eval." for the held-out eval batches (other samples of the same task and teacher).
     """
 
-    def __init__(self, cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1):
-        self.cfg, self.seed, self.batch_size = cfg, seed, batch_size
+    num_batches = None  # unbounded: any batch index can be drawn
+
+    def __init__(self, cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 stream: str = "data.step."):
+        self.cfg, self.seed, self.batch_size, self.stream = cfg, seed, batch_size, stream
         per_rank = batch_size // dp_size
         self.lo, self.hi = dp_rank * per_rank, (dp_rank + 1) * per_rank
         # The hidden "teacher" that makes the task learnable; fixed by the seed alone.
@@ -34,7 +39,7 @@ class SyntheticData:
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole (inputs, targets) batch of `step` (used by tests and by `batch`)."""
         c = self.cfg
-        g = torch.Generator().manual_seed(name_seed(self.seed, f"data.step.{step}"))
+        g = torch.Generator().manual_seed(name_seed(self.seed, f"{self.stream}{step}"))
         if c.task == "lm":
             # A noisy affine walk over the vocabulary: next = prev + shift (mod V),
             # replaced by a random token 10% of the time.

@@ -118,8 +118,9 @@ def check_model(m: ModelConfig) -> None:
     build_meta_model(m)
 
 
-def check_model_takes_data(cfg: Config) -> None:
-    """The model runs on two samples shaped as the data's and gives what its targets need."""
+def check_model_takes_data(cfg: Config):
+    """The model runs on two samples shaped as the data's and gives what its targets need. Returns its output
+    (fake tensors), or None when a user's model could not run on fake tensors."""
     d = cfg.data
     key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
         ("data.task", d.task, f"data.task={d.task}'s")
@@ -130,7 +131,7 @@ def check_model_takes_data(cfg: Config) -> None:
         raw = meta_forward(build_meta_model(cfg.model), x)
     except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
         if cfg.model._target_ and d.name != "shards":
-            return  # a user's model may do what fake tensors cannot (read a value): its first step will tell
+            return None  # a user's model may do what fake tensors cannot (read a value): its first step will tell
         fail(key, value, f"the model does not take {what} samples ({x.dtype} features of shape "
              f"{tuple(x.shape[1:])}){hint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     try:
@@ -140,3 +141,4 @@ def check_model_takes_data(cfg: Config) -> None:
     if tuple(out.shape) != shape[d.task]:
         fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {what} "
              f"{d.task} targets need {shape[d.task]}")
+    return raw

@@ -57,9 +57,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallel.blocks import candidates
 from parallel.config import Config, RunError
 from parallel.data import example_input
-from parallel.engine import Engine, autocast
+from parallel.engine import Engine, autocast, evaluating
 from parallel.init import InitPlan
-from parallel.loss import loss_fn
+from parallel.loss import Loss, build_loss
 from parallel.metrics import log
 from parallel.offload.activations import ActivationStore
 from parallel.offload.adamw import BlockAdamW, OffloadOptimizer
@@ -111,13 +111,13 @@ class OffloadEngine(Engine):
         plan: the initialization plan (Note [initialization by name]).
         blocks: the blocks' module names, in forward order.
         run_dir: the run directory (the disk tier's default home).
-        loss_fn: (output, target) -> mean loss.
+        loss: the run's loss (Note [global loss] in parallel/loss.py).
     """
 
     def __init__(self, model: nn.Module, cfg: Config, runtime: Runtime, plan: InitPlan, blocks: list[str],
-                 run_dir: Path, loss_fn):
+                 run_dir: Path, loss: Loss):
         s, device = cfg.strategy, runtime.device
-        self.cfg, self.device, self.loss_fn, self.model = cfg, device, loss_fn, model
+        self.cfg, self.device, self.loss, self.model = cfg, device, loss, model
         _return_freed_memory()
         self.counters = {kind: Counters() for kind in ("params", "optimizer", "activations")}
         self.waits = Counters()
@@ -201,13 +201,24 @@ class OffloadEngine(Engine):
         if self.acts is not None:
             self.acts.reset()
         features = self.lookahead.features(x) if self.n_ahead else None
+        self.loss.start_step(y, None, 1)  # one process: the whole global batch, no accumulation
         with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
             with autocast(self.cfg, self.device):
                 out = self.model(x) if features is None else self.model.trainable_forward(features)
-                loss = self.loss_fn(out, y)
+                loss = self.loss(out, y)
             loss.backward()
         self.hooks.end_step()
         return loss.detach()
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only: each block's weights streamed in and let go as in a training forward, nothing saved.
+        The step in flight (writing new weights) and the frozen part's work ahead (on the same buffers) end
+        first; the features made ahead stay for the next step."""
+        self.adamw.wait()
+        self.lookahead.drain()
+        self.hooks.phase = "forward"  # prefetch forward, release after each block
+        with evaluating([self.model]), autocast(self.cfg, self.device):
+            return self.loss.score(self.model(x), y)
 
     @property
     def wants_next_input(self) -> bool:
@@ -279,7 +290,7 @@ class OffloadEngine(Engine):
 def build_offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
     """strategy=offload: this process's engine, the model streamed block by block (Note [offload engine])."""
     names, _ = candidates(model, example_input(cfg.data))
-    engine = OffloadEngine(model, cfg, runtime, plan, names, cfg.run_dir, loss_fn(cfg.data.task))
+    engine = OffloadEngine(model, cfg, runtime, plan, names, cfg.run_dir, build_loss(cfg.loss, cfg.data.task))
     t = engine.tier_names
     if not engine.blocks:
         log.warning("offload: no blocks found (the model's children called by its forward, or a ModuleList's "

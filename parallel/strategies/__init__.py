@@ -14,7 +14,7 @@ from parallel.batchnorm import batchnorm_warning
 from parallel.config import BALANCES, ZERO_LEVELS, Config, fail
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
-from parallel.loss import loss_fn
+from parallel.loss import build_loss
 from parallel.metrics import log
 from parallel.offload.check import check_offload
 from parallel.offload.engine import build_offload
@@ -36,7 +36,8 @@ def _local(apply):
             recompute_model(model, cfg)
         model = apply(model, mesh, cfg, runtime)
         materialize_and_init(model, runtime.device, plan, runtime.values)
-        return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), runtime.device)
+        loss = build_loss(cfg.loss, cfg.data.task)
+        return LocalEngine(model, cfg, loss, mesh["dp"].get_group(), runtime.device)
 
     return build
 

@@ -36,7 +36,7 @@ from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
-from parallel.loss import loss_fn
+from parallel.loss import build_loss
 from parallel.runtime import Runtime
 from parallel.strategies.data import blocks_of
 from parallel.strategies.pipeline import build_pipeline
@@ -84,4 +84,5 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         recompute_model(model, cfg)
     pieces(model, blocks_of(model))
     materialize_and_init(model, runtime.device, plan, runtime.values)
-    return LocalEngine(model, cfg, loss_fn(cfg.data.task), mesh["dp"].get_group(), runtime.device)
+    loss = build_loss(cfg.loss, cfg.data.task)
+    return LocalEngine(model, cfg, loss, mesh["dp"].get_group(), runtime.device)

@@ -1,10 +1,10 @@
 """Initialization by name, deterministic data, the live-bytes tracker."""
 import torch
 
-from parallel.config import DataConfig
+from parallel.config import DataConfig, LossConfig
 from parallel.data.synthetic import SyntheticData
 from parallel.init import ByName, init_plan, materialize_and_init, name_seed
-from parallel.loss import loss_fn
+from parallel.loss import Loss
 from parallel.memory.tracker import LiveTensorBytes
 from parallel.models import MODELS
 
@@ -58,7 +58,9 @@ def test_every_task_gives_a_finite_loss():
                         ("lm", MODELS["gpt"](vocab_size=64, seq_len=32, dim=16, heads=2, layers=1))):
         data = SyntheticData(DataConfig(task=task), seed=0, batch_size=4)
         x, y = data.batch(1, torch.device("cpu"))
-        loss = loss_fn(task)(model(x), y)
+        loss = Loss(LossConfig(), task)
+        loss.start_step(y, None, 1)
+        loss = loss(model(x), y)
         assert loss.ndim == 0 and torch.isfinite(loss)
 
 

@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from parallel.config import Config
-from parallel.engine import Engine
+from parallel.engine import Engine, evaluating, grad_average
 from parallel.init import InitPlan
-from parallel.loss import loss_fn
+from parallel.loss import Loss, build_loss
 from parallel.metrics import gather_floats, log
 from parallel.optim import clip_grads
 from parallel.runtime import Runtime
@@ -53,8 +53,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
     for name, entry in plan.items():
         groups.setdefault(entry.canonical, []).append(name)
     tied_names = [names for names in groups.values() if len(names) > 1]
-    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss_fn(cfg.data.task), tied_names,
-                          compute_time)
+    loss = build_loss(cfg.loss, cfg.data.task)
+    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss, tied_names, compute_time)
 
 
 class PipelineEngine(Engine):
@@ -64,11 +64,12 @@ class PipelineEngine(Engine):
         stages: this rank's stages, each timing its compute into `compute_time`.
         modules: their modules (what the optimizer sees).
         tied: this rank's copies of weights tied across stages.
+        loss: the run's loss (Note [global loss] in parallel/loss.py).
         tied_names: every group of parameter names that share one weight.
     """
 
     def __init__(self, cfg: Config, mesh: DeviceMesh, split: Split, stages: list[TimedStage], modules,
-                 tied: list[TiedCopy], loss_fn, tied_names: list[list[str]], compute_time: ComputeTime):
+                 tied: list[TiedCopy], loss: Loss, tied_names: list[list[str]], compute_time: ComputeTime):
         s = cfg.strategy
         self.tied_names = tied_names
         self.cfg, self.mesh, self.split, self.stages, self.tied = cfg, mesh, split, stages, tied
@@ -76,8 +77,12 @@ class PipelineEngine(Engine):
         self.m = microbatches(cfg)
         cls = schedules.schedule_class(s.schedule)
         multi = schedules.is_multi_stage(s.schedule)
-        self.schedule = cls(stages if multi else stages[0], n_microbatches=self.m, loss_fn=loss_fn,
-                            scale_grads=True)
+        # scale_grads=False: the loss is already each microbatch's share of the global loss (Note [global
+        # loss]); the schedule's default divides the gradients by the microbatch count, for a per-microbatch mean.
+        self.loss = loss
+        self.scores: torch.Tensor | None = None  # while evaluating: what the last stage has scored so far
+        self.schedule = cls(stages if multi else stages[0], n_microbatches=self.m, loss_fn=self._loss,
+                            scale_grads=False)
         self.has_first = any(st.is_first for st in stages)
         self.has_last = any(st.is_last for st in stages)
         self.holds_loss = self.has_last
@@ -88,9 +93,13 @@ class PipelineEngine(Engine):
         self.window: list[tuple[float, float, dict]] = []  # (compute, schedule time, compute per stage) per step
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Run the schedule over the batch; returns this rank's mean microbatch loss (0 off the last stage)."""
+        """Run the schedule over the batch; returns this rank's part of the global loss (0 off the last
+        stage)."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
+        # Every stage reads the batch, so each counts the targets itself; only the last one uses the count.
+        scale = grad_average(self.loss_group)
+        self.loss.start_step(y, self.loss_group, scale)
         self.compute_time.reset()
         t0 = time.perf_counter()
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses, return_outputs=False)
@@ -99,7 +108,26 @@ class PipelineEngine(Engine):
         self._sum_tied_grads()
         if not losses:
             return torch.zeros((), device=x.device)
-        return torch.stack([l.detach().float() for l in losses]).mean()
+        return torch.stack([l.detach().float() for l in losses]).sum() / scale
+
+    def _loss(self, out, target) -> torch.Tensor:
+        """The schedule's loss function: a microbatch's share of the loss, or its scores while evaluating."""
+        if self.scores is None:
+            return self.loss(out, target)
+        self.scores += self.loss.score(out, target)
+        return torch.zeros((), device=self.scores.device)
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only through the schedule's own evaluation path (`eval`: its microbatches without
+        backward; the stages set up their send and receive buffers again for it, and again at the next
+        training step); the last stage scores each microbatch."""
+        self.scores = torch.zeros(3, dtype=torch.float64, device=x.device)
+        try:
+            with evaluating(list(self.model)):
+                self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+            return self.scores
+        finally:
+            self.scores = None
 
     def _sum_tied_grads(self) -> None:
         for t in self.tied:
