@@ -1,11 +1,14 @@
-"""The patches of PyTorch's private internals the planner needs, in one place, and why (checked on torch 2.13).
+"""The patches of PyTorch's private internals the planner and the pipeline's evaluation need, in one place,
+and why (checked on torch 2.13).
 
 The planner (Note [planner] in parallel/planner.py) runs the real training step
 on fake tensors and a fake process group. Everything of the project's that must
 behave differently there is passed in through the run's Runtime (Note
 [runtime]); the three places below are inside PyTorch, with no argument to pass
 a stand-in through, so they are patched for the duration of a plan and
-restored after. Nothing else patches anything at run time.
+restored after. The fourth (`forward_only_actions`) changes one schedule
+object's action list for the duration of an evaluation. Nothing else patches
+anything at run time.
 """
 from __future__ import annotations
 
@@ -84,3 +87,29 @@ def meshes_outside_fake():
         yield
     finally:
         DeviceMesh.__init__ = init
+
+
+@contextlib.contextmanager
+def forward_only_actions(schedule):
+    """The V-shaped schedules (ZBV, DualPipeV) run their whole action list in `eval()` too, backward actions
+    included, and a backward between two stages of one rank fails without a backward ("can't steal_bwd_input
+    if this stage doesn't have backward"). For the enclosed evaluation the schedule's lowered action list
+    keeps only the forward work: forwards (those inside an overlapped forward-backward as well), their sends
+    and receives, and FSDP's unshard and reshard. Dropping actions only removes waits, so the forward order
+    stays free of deadlocks. Other schedules' `eval()` works as it is."""
+    t = schedules._ComputationType
+    keep = {t.FORWARD, t.SEND_F, t.RECV_F, t.UNSHARD, t.RESHARD}
+
+    def forward(actions):
+        for a in actions:
+            if a is not None and a.computation_type == t.OVERLAP_F_B:
+                yield from (s for s in a.sub_actions if s.computation_type == t.FORWARD)
+            elif a is not None and a.computation_type in keep:
+                yield a
+
+    saved = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: list(forward(actions)) for rank, actions in saved.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = saved

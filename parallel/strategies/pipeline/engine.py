@@ -9,6 +9,7 @@ from the compute time its stages record (stages.TimedStage).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from parallel.strategies.pipeline import schedules
 from parallel.strategies.pipeline.split import Split, format_split, microbatches, plan_split
 from parallel.strategies.pipeline.stages import ComputeTime, TiedCopy, TimedStage, build_stages
 from parallel.tensors import local
+from parallel.torch_patches import forward_only_actions
 
 
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan,
@@ -122,8 +124,9 @@ class PipelineEngine(Engine):
         backward; the stages set up their send and receive buffers again for it, and again at the next
         training step); the last stage scores each microbatch."""
         self.scores = torch.zeros(3, dtype=torch.float64, device=x.device)
+        v_shaped = self.cfg.strategy.schedule in schedules.V_SHAPED
         try:
-            with evaluating(list(self.model)):
+            with evaluating(list(self.model)), forward_only_actions(self.schedule) if v_shaped else nullcontext():
                 self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
             return self.scores
         finally:
