@@ -122,7 +122,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # synthetic (generated from the seed) or shards (a directory written by launch/make_shards.py).
+    # synthetic (generated from the seed), shards (a directory written by launch/make_shards.py) or custom
+    # (the user's Dataset).
     name: str = "synthetic"
     # Task and sizes: data=shards reads them from the dataset's manifest.
     task: str = "regression"
@@ -137,13 +138,33 @@ class DataConfig:
     # Standard deviation of the label noise (regression, synthetic).
     noise: float = 0.01
     # data=shards: the dataset directory; samples per shuffle window (0 or 1: the written order);
-    # batches read ahead; reader threads; checks before training: size (every shard's length) or
-    # checksum (also its CRC-32, reading every byte once).
+    # batches read ahead; reader threads (data=custom: loader processes, 0: in the training process);
+    # checks before training: size (every shard's length) or checksum (also its CRC-32, reading every byte once).
     path: Optional[str] = None
     shuffle_buffer: int = 10000
     prefetch: int = 2
     workers: int = 2
     verify: str = "checksum"
+    # data=custom (Note [custom data] in parallel/data/custom/__init__.py): the user's factory
+    # "package.module.callable" returning a torch Dataset (map-style or iterable; a Hugging Face
+    # datasets.Dataset too), called with `args`. task "auto": read from the first sample with the sizes.
+    _target_: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
+    # The sample's field fed to the model and the one the loss compares with: a dict key or a tuple
+    # index; None: item 0 and 1 of a tuple, input_ids / pixel_values / x and labels / y of a dict.
+    input_key: Optional[str] = None
+    target_key: Optional[str] = None
+    # {_target_: package.module.fn}: turns a list of samples into a batch; none: PyTorch's default_collate.
+    collate: Dict[str, Any] = field(default_factory=dict)
+    # Map-style: visit the samples in an order permuted by (seed, epoch); false: the dataset's own order.
+    shuffle: bool = True
+    # Evaluation data: a second dataset ({_target_, args}), or this fraction of a map-style training set
+    # held out (never trained on).
+    eval: Dict[str, Any] = field(default_factory=dict)
+    eval_fraction: float = 0.0
+    # Set before the workers start from the first sample of data=custom (not a user setting): {input:
+    # {dtype, shape}, target: {dtype, shape}} of one sample, iterable, samples (the count; None: a stream).
+    spec: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from parallel.config import Config, cuda_run
-from parallel.data import SyntheticData
+from parallel.data import planned_data
 from parallel.dims import ParallelDims
 from parallel.init import Blank
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
@@ -295,9 +295,9 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         mesh = dims.build_mesh(device.type)
         model = build_meta_model(cfg.model)
         dp_rank = mesh["dp"].get_local_rank()
-        # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them):
-        # the plan reads no dataset.
-        data = SyntheticData(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
+        # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them) and
+        # data=custom (zeros shaped as its first sample): the plan reads no dataset.
+        data = planned_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
         ddp, io = DDPStandIn(), CountingIO()
         runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
                           executor=lambda workers, name: InlineExecutor(), replicate=ddp.replicate,

@@ -12,8 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallel.batchnorm import check_sync_batchnorm
 from parallel.checkpoint import check_resume
 from parallel.config import Config, check_optim, check_trainer, fail, pipelined, positive, tensor_parallel
-from parallel.data import check_data, example_target, has_eval_data
-from parallel.data.shards import read_hints
+from parallel.data import check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
 from parallel.loss import check_loss, check_loss_config
 from parallel.memory.budget import check_memory
@@ -28,17 +27,13 @@ from parallel.strategies.tensor import check_plan, check_tensor_keys
 def to_config(cfg: DictConfig | dict) -> Config:
     """Turn a composed DictConfig (or its plain-dict form) into typed dataclasses.
 
-    With data=shards the task and sizes come from the dataset's manifest, set
-    before interpolations resolve (a model's `${data.features}` reads them).
+    With data=shards the task and sizes come from the dataset's manifest, with data=custom from its first
+    sample, set before interpolations resolve (a model's `${data.features}` reads them).
     """
     if isinstance(cfg, dict):
         cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    if cfg.data.name == "shards":
-        if not cfg.data.path:
-            fail("data.path", cfg.data.path, "data=shards needs the dataset directory",
-                 "a directory written by launch/make_shards.py")
-        for key, value in read_hints(cfg.data.path).items():
-            cfg.data[key] = value
+    for key, value in read_hints(cfg.data).items():
+        cfg.data[key] = value
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
@@ -73,7 +68,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.nproc is not None:
         positive("nproc", cfg.nproc)
     check_optim(cfg.optim)
-    check_data(cfg.data)
+    check_data(cfg.data, cfg.trainer.batch_size)
     check_loss_config(cfg.loss)
     if cfg.trainer.eval_every and not has_eval_data(cfg.data):
         fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",

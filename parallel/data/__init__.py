@@ -6,8 +6,12 @@ from typing import Protocol
 import torch
 
 from parallel.config import TASKS, DataConfig, fail, positive
+from parallel.data.custom import MapData, check_custom, read_custom_hints
 from parallel.data.shards import ShardData, check_shards
+from parallel.data.shards import read_hints as read_shard_hints
 from parallel.data.synthetic import SyntheticData
+
+SOURCES = ("synthetic", "shards", "custom")
 
 
 class DataSource(Protocol):
@@ -20,9 +24,11 @@ class DataSource(Protocol):
 
 
 def build_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> DataSource:
-    """The configured source: SyntheticData, or ShardData for data=shards."""
+    """The configured source: SyntheticData, ShardData for data=shards, the user's dataset for data=custom."""
     if cfg.name == "shards":
         return ShardData(cfg, seed, batch_size, dp_rank, dp_size)
+    if cfg.name == "custom":
+        return MapData(cfg, seed, batch_size, dp_rank, dp_size)
     return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size)
 
 
@@ -47,6 +53,13 @@ def has_eval_data(cfg: DataConfig) -> bool:
 def example_target(d: DataConfig, batch: int = 2) -> torch.Tensor:
     """Real targets of `batch` samples of the task, as the data source hands them out (random)."""
     g = torch.Generator().manual_seed(0)
+    if d.name == "custom":  # shaped as the first sample's target (data.spec)
+        spec = d.spec["target"]
+        shape, dtype = (batch, *spec["shape"]), getattr(torch, spec["dtype"])
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=g).to(dtype)
+        high = d.vocab_size if d.task == "lm" else d.classes
+        return torch.randint(0, high, shape, generator=g).to(dtype)
     if d.task == "lm":
         return torch.randint(0, d.vocab_size, (batch, d.seq_len), generator=g)
     if d.task == "classification":
@@ -54,30 +67,80 @@ def example_target(d: DataConfig, batch: int = 2) -> torch.Tensor:
     return torch.randn(batch, d.targets, generator=g)
 
 
+def planned_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> DataSource:
+    """Batches of the configured shapes for the planner, which reads no dataset: synthetic ones, or zeros
+    shaped as data=custom's first sample."""
+    if cfg.name == "custom":
+        return _SpecData(cfg, batch_size // dp_size)
+    return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size)
+
+
+class _SpecData:
+    def __init__(self, cfg: DataConfig, per_rank: int):
+        self.cfg, self.per_rank = cfg, per_rank
+
+    def batch(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        target = self.cfg.spec["target"]
+        y = torch.zeros(self.per_rank, *target["shape"], dtype=getattr(torch, target["dtype"]), device=device)
+        return example_input(self.cfg, self.per_rank, device)[0], y
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
 def example_input(d: DataConfig, batch: int = 2, device: str | torch.device = "meta") -> tuple:
-    """The model's positional inputs for `batch` samples, as the data source hands them out (zeros)."""
+    """The model's positional inputs for `batch` samples, as the data source hands them out (zeros; for
+    data=custom, of the first sample's shape and dtype)."""
+    if d.spec:
+        spec = d.spec["input"]
+        return (torch.zeros(batch, *spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device),)
     if d.task == "lm" or d.inputs == "tokens":
         return (torch.zeros(batch, d.seq_len, dtype=torch.long, device=device),)
     return (torch.zeros(batch, d.features, device=device),)
 
 
-def check_data(d: DataConfig) -> None:
-    """The data group's settings (and, for data=shards, the dataset's files)."""
-    if d.name not in ("synthetic", "shards"):
-        fail("data.name", d.name, "unknown data source", ["synthetic", "shards"])
+def read_hints(d) -> dict:
+    """The task and sizes a dataset sets before interpolations resolve (data=shards: its manifest; data=custom:
+    its first sample); nothing for synthetic data."""
+    if d.name == "shards":
+        if not d.path:
+            fail("data.path", d.path, "data=shards needs the dataset directory",
+                 "a directory written by launch/make_shards.py")
+        return read_shard_hints(d.path)
+    if d.name == "custom":
+        return read_custom_hints(d)
+    return {}
+
+
+def check_data(d: DataConfig, batch_size: int) -> None:
+    """The data group's settings (and, for data=shards, the dataset's files; for data=custom, its size)."""
+    if d.name not in SOURCES:
+        fail("data.name", d.name, "unknown data source", list(SOURCES))
     if d.name == "shards":
         check_shards(d)
+    if d.name == "custom":
+        check_custom(d, batch_size)
+    elif d.eval_fraction or (d.eval or {}).get("_target_"):
+        fail("data.eval_fraction" if d.eval_fraction else "data.eval", d.eval_fraction or dict(d.eval),
+             "evaluation datasets are for data=custom")
     if d.task not in TASKS:
         fail("data.task", d.task, "unknown task", list(TASKS))
     if d.inputs not in ("features", "tokens"):
         fail("data.inputs", d.inputs, "unknown kind of input", ["features", "tokens"])
     if d.inputs == "tokens" and d.name == "shards":
         fail("data.inputs", d.inputs, "data=shards feeds what its manifest says; data.inputs is for synthetic data")
+    # data=custom leaves the sizes its task does not use at 0 (not read from the dataset).
+    used = {"regression": "targets", "classification": "classes", "lm": "vocab_size"}
     for key in ("features", "targets", "classes", "vocab_size", "seq_len"):
-        positive(f"data.{key}", getattr(d, key))
+        unused = d.name == "custom" and key in used.values() and key != used[d.task]
+        positive(f"data.{key}", getattr(d, key), allow_zero=unused)
     if d.noise < 0:
         fail("data.noise", d.noise, "must be >= 0")
 
 
 __all__ = ["DataSource", "ShardData", "SyntheticData", "build_data", "build_eval_data", "check_data",
            "example_input", "example_target", "has_eval_data"]
+
+
+__all__ = ["DataSource", "MapData", "ShardData", "SyntheticData", "build_data", "check_data", "example_input",
+           "planned_data", "read_hints"]

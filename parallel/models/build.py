@@ -124,21 +124,29 @@ def check_model_takes_data(cfg: Config):
     d = cfg.data
     key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
         ("data.task", d.task, f"data.task={d.task}'s")
-    hint = " (model=gpt takes data.task=lm)" if d.name != "shards" and cfg.model.name == "gpt" else ""
+    hint = " (model=gpt takes data.task=lm)" if d.name == "synthetic" and cfg.model.name == "gpt" else ""
     shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
+    if d.name == "custom":  # the fields read from the first sample: name them
+        key, value, what = "data.input_key", d.input_key, f"the dataset's {d.task}"
+        shape["regression"] = (2, *d.spec["target"]["shape"])
     (x,) = example_input(d)
     try:
         raw = meta_forward(build_meta_model(cfg.model), x)
     except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
         if cfg.model._target_ and d.name != "shards":
             return None  # a user's model may do what fake tensors cannot (read a value): its first step will tell
-        fail(key, value, f"the model does not take {what} samples ({x.dtype} features of shape "
+        field = f"field {d.input_key!r}: " if d.name == "custom" else ""
+        fail(key, value, f"the model does not take {what} samples ({field}{x.dtype} features of shape "
              f"{tuple(x.shape[1:])}){hint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     try:
         out = logits_of(raw)
     except TypeError as e:
         fail("model", cfg.model._target_ or cfg.model.name, str(e))
     if tuple(out.shape) != shape[d.task]:
-        fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {what} "
-             f"{d.task} targets need {shape[d.task]}")
+        need = f"{what} {d.task} targets need {shape[d.task]}"
+        if d.name == "custom":
+            key, value = "data.target_key", d.target_key
+            need = f"the samples' {d.task} target (field {d.target_key!r}, of shape " \
+                   f"{tuple(d.spec['target']['shape'])}) needs {shape[d.task]}"
+        fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {need}")
     return raw

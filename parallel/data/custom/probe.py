@@ -1,0 +1,135 @@
+"""What a data=custom dataset's first sample says, read in the launching process before any worker starts
+(parallel.validate.to_config), and the checks of data=custom's settings."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from parallel.config import ConfigError, DataConfig, fail
+from parallel.data.custom.dataset import (
+    Collate,
+    _count,
+    _spec,
+    build_dataset,
+    first_sample,
+    infer_task,
+    is_iterable,
+    resolve_key,
+)
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample through the configured collation -> its (input, target) tensors."""
+    try:
+        x, y = collate([sample])
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's collate function, or fields default_collate cannot stack
+        key, target = ("data.collate._target_", collate.user) if collate.user else (key, target)
+        fail(key, target, f"collating a sample failed: {type(e).__name__}: {e}")
+    if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.dim() == 0:
+        fail(key, target, "the batch's input must be a tensor with a sample dimension")
+    return x[0], y[0]
+
+
+def read_custom_hints(d) -> dict:
+    """The keys data=custom sets from the first sample: the task (when data.task=auto), the sizes the built-in
+    models read, the resolved input and target keys, and `data.spec` (shapes, dtypes, sample count).
+
+    Args:
+        d: the composed data section (a DictConfig or DataConfig) before interpolations resolve.
+    """
+    target, args = d._target_, _plain(d.args)
+    ds = build_dataset("data._target_", target, args)
+    sample = first_sample("data._target_", target, ds)
+    ik, tk = resolve_key(sample, d.input_key, "input"), resolve_key(sample, d.target_key, "target")
+    user = (_plain(d.collate) or {}).get("_target_")
+    x, y = _collated("data._target_", target, Collate(ik, tk, user), sample)
+    task = infer_task(x, y) if d.task == "auto" else d.task
+    hints: dict[str, Any] = {
+        "task": task, "input_key": ik, "target_key": tk,
+        "inputs": "features" if x.is_floating_point() else "tokens",
+        "spec": {"input": _spec(x), "target": _spec(y), "iterable": is_iterable(ds),
+                 "samples": None if is_iterable(ds) else len(ds)},
+    }
+    if x.is_floating_point():
+        hints["features"] = x.numel()
+    elif x.dim() >= 1:
+        hints["seq_len"] = x.shape[-1]
+    if task == "regression":
+        hints["targets"] = max(1, y.numel())
+    elif task == "classification":
+        hints["classes"] = _size(ds, ("classes", "num_classes"), tk, "classes", d.classes, y, "target")
+    elif task == "lm":
+        hints["vocab_size"] = _size(ds, ("vocab_size",), tk, "vocab_size", d.vocab_size, x, "input")
+        _below("data.vocab_size", hints["vocab_size"], y, "target")
+    eval_cfg = _plain(d.eval) or {}
+    if eval_cfg.get("_target_"):
+        _check_eval_sample(eval_cfg, Collate(ik, tk, user), x, y)
+    return hints
+
+
+def _size(ds: Any, names: tuple, field: str, key: str, configured: int, t: torch.Tensor, what: str) -> int:
+    """classes / vocab_size: what the dataset states, else the configured value; the first sample's ids
+    must be below it."""
+    found = _count(ds, names, field)
+    value = found or configured
+    if not value:
+        fail(f"data.{key}", configured, f"the dataset does not say its {key} (no {' / '.join(names)} attribute"
+             f"{', no ClassLabel feature' if key == 'classes' else ''}): set data.{key}=N")
+    _below(f"data.{key}", value, t, what)
+    return int(value)
+
+
+def _below(key: str, value: int, t: torch.Tensor, what: str) -> None:
+    if t.numel() and int(t.max()) >= value:
+        fail(key, value, f"the first sample's {what} holds id {int(t.max())}: ids must be below {key}")
+
+
+def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: torch.Tensor) -> None:
+    """data.eval's dataset gives samples of the training samples' fields, shapes and dtypes."""
+    target = eval_cfg["_target_"]
+    ds = build_dataset("data.eval._target_", target, eval_cfg.get("args") or {})
+    sample = first_sample("data.eval._target_", target, ds)
+    resolve_key(sample, collate.input_key, "input"), resolve_key(sample, collate.target_key, "target")
+    ex, ey = _collated("data.eval._target_", target, collate, sample)
+    if _spec(ex) != _spec(x) or _spec(ey) != _spec(y):
+        fail("data.eval._target_", target, f"its samples (input {_spec(ex)}, target {_spec(ey)}) differ from the "
+             f"training samples' (input {_spec(x)}, target {_spec(y)})")
+
+
+def check_custom(d: DataConfig, batch_size: int) -> None:
+    """data=custom's settings, after the first sample was read (`read_custom_hints`)."""
+    spec = d.spec or {}
+    if not d._target_:
+        fail("data._target_", d._target_, "data=custom needs the dataset's factory", "package.module.callable")
+    if not 0 <= d.eval_fraction < 1:
+        fail("data.eval_fraction", d.eval_fraction, "must be in [0, 1) (0: nothing held out)")
+    if d.eval_fraction and (d.eval or {}).get("_target_"):
+        fail("data.eval_fraction", d.eval_fraction, "data.eval names an evaluation dataset already: set one")
+    if d.collate and set(d.collate) - {"_target_"}:
+        fail("data.collate", dict(d.collate), "takes only _target_ (a function of a list of samples)")
+    if spec.get("iterable"):
+        if d.eval_fraction:
+            fail("data.eval_fraction", d.eval_fraction, "an iterable dataset has no samples to hold out by "
+                 "position; give data.eval a dataset of its own")
+        return
+    n = spec.get("samples") or 0
+    held = held_out_count(n, d.eval_fraction)
+    if d.eval_fraction and held == 0:
+        fail("data.eval_fraction", d.eval_fraction, f"holds out no sample of {n}")
+    if n - held < batch_size:
+        fail("data._target_", d._target_, f"the dataset has {n - held} samples to train on"
+             f"{f' ({held} held out)' if held else ''}, fewer than one global batch (trainer.batch_size="
+             f"{batch_size})")
+
+
+def held_out_count(n: int, fraction: float) -> int:
+    """How many of `n` samples data.eval_fraction holds out."""
+    return int(n * fraction)

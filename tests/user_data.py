@@ -1,0 +1,88 @@
+"""Datasets a user would write, for data=custom tests: importable by the workers (tests.user_data.<name>)."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+
+def _teacher(features: int, targets: int) -> torch.Tensor:
+    return torch.randn(features, targets, generator=torch.Generator().manual_seed(7)) / features ** 0.5
+
+
+class Regression(Dataset):
+    """n samples of `features` floats and `targets` floats (a noisy linear teacher), as (x, y) tuples."""
+
+    def __init__(self, n: int = 96, features: int = 8, targets: int = 2, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, features, generator=g)
+        self.y = self.x @ _teacher(features, targets) + 0.01 * torch.randn(n, targets, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def regression(n: int = 96, features: int = 8, targets: int = 2, seed: int = 0) -> Regression:
+    return Regression(n, features, targets, seed)
+
+
+def hf_classification(n: int = 96, features: int = 8, classes: int = 3):
+    """A Hugging Face datasets.Dataset built in memory: dict samples {'x': floats, 'labels': int}, a
+    ClassLabel feature stating the number of classes."""
+    import datasets
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, features, generator=g)
+    labels = (x @ _teacher(features, classes)).argmax(dim=1)
+    features_spec = datasets.Features({"x": datasets.Sequence(datasets.Value("float32"), length=features),
+                                       "labels": datasets.ClassLabel(num_classes=classes)})
+    return datasets.Dataset.from_dict({"x": x.tolist(), "labels": labels.tolist()}, features=features_spec)
+
+
+class Stream(IterableDataset):
+    """An endless stream of dict samples {'x': floats, 'y': floats}, the i-th drawn from a generator seeded
+    by i; with state_dict / load_state_dict (its position) when `stateful`."""
+
+    def __init__(self, features: int = 8, targets: int = 2, length: int = 0):
+        self.features, self.targets, self.length = features, targets, length
+        self.teacher = _teacher(features, targets)
+        self.position = 0
+
+    def __iter__(self):
+        i = self.position
+        while not self.length or i < self.length:
+            x = torch.randn(self.features, generator=torch.Generator().manual_seed(1000 + i))
+            i += 1
+            self.position = i
+            yield {"x": x, "y": x @ self.teacher}
+
+
+class StatefulStream(Stream):
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def stream(features: int = 8, targets: int = 2, stateful: bool = False, length: int = 0) -> Stream:
+    return (StatefulStream if stateful else Stream)(features, targets, length)
+
+
+def not_a_dataset(**kwargs):
+    return [(torch.zeros(8), torch.zeros(2))] * 64
+
+
+def images(n: int = 64):
+    """(3, 4, 4) images: a model taking flat features cannot take them."""
+    return [(torch.zeros(3, 4, 4), torch.zeros(2))] * n
+
+
+class Images(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.zeros(3, 4, 4), torch.zeros(2)
