@@ -1,0 +1,117 @@
+"""The loss over the whole global batch and evaluation, under the strategies, as `single` and the user's own loop.
+
+Padded text (tests.user_loss.PaddedLM: every sequence real for a length of its own) gives microbatches and
+data-parallel ranks different numbers of real tokens; gradient accumulation, data parallelism and pipeline
+microbatches still give single's loss and weights, and single gives the plain loop's token mean over the global
+batch (Note [global loss]). Evaluation gives single's figures under every strategy, and training goes on the
+same with and without it (Note [evaluation]).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.models import MODELS
+from tests import cli
+from tests.user_loss import PaddedLM
+
+GPT = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "layers": 2, "mlp_ratio": 4}
+SMALL = ["trainer.steps=4", "trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true",
+         "trainer.timeout_s=60", "optim.schedule=constant", "trainer.batch_size=8", "model=gpt",
+         "model.args.dim=32"]
+PADDED = SMALL + ["data=custom", "data._target_=tests.user_loss.padded_lm", "data.shuffle=false",
+                  "data.workers=0"]
+EVAL = SMALL + ["data.task=lm", "data.seq_len=16", "trainer.eval_every=2", "trainer.eval_batches=2",
+               "optim.lr=1e-3"]  # AdamW turns sharded sums' rounding into weight differences of ~lr x 1e-2
+
+
+def plain_padded_loop(steps: int = 4, batch_size: int = 8):
+    """The user's own loop over the padded data in its order: cross-entropy's mean over the real tokens of each
+    global batch, AdamW, clipping at 1; returns (losses, final state)."""
+    torch.manual_seed(0)
+    model = MODELS["gpt"](**GPT)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
+    data, losses = PaddedLM(), []
+    for step in range(steps):
+        x, y = data.x[step * batch_size:(step + 1) * batch_size], data.y[step * batch_size:(step + 1) * batch_size]
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64), model.state_dict()
+
+
+@pytest.fixture
+def padded_single(reference):
+    return reference(PADDED)
+
+
+@pytest.mark.timeout(180)
+def test_single_is_the_plain_loops_token_mean_over_the_global_batch(padded_single):
+    data = PaddedLM()
+    real = [(data.y[i:i + 4] != -100).sum().item() for i in range(0, 32, 4)]
+    assert len(set(real)) > 2  # the halves of each batch hold different numbers of real tokens
+    losses, state = plain_padded_loop()
+    torch.testing.assert_close(cli.losses(padded_single), losses, rtol=1e-4, atol=0)
+    final = cli.final_weights(padded_single)
+    for name, value in state.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+PADDED_RUNS = [["nproc=2", "strategy=data", "trainer.grad_accum=2"],
+               ["nproc=2", "strategy=pipeline"],
+               ["nproc=2", "strategy=data", "strategy.zero=3", "loss._target_=tests.user_loss.token_sum",
+                "loss.reduction=sum"]]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", PADDED_RUNS, ids=["data_accum2", "pipeline", "zero3_user_sum"])
+def test_padded_tokens_normalized_over_the_global_batch(padded_single, tmp_path, strategy):
+    cli.run(PADDED + strategy + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    cli.assert_same_training(tmp_path, padded_single)
+
+
+def evals(run_dir) -> list[dict]:
+    return [{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")} for r in cli.metrics(run_dir)
+            if any(k.startswith("eval_") for k in r)]
+
+
+@pytest.fixture
+def eval_single(reference):
+    return reference(EVAL)
+
+
+EVAL_RUNS = [["nproc=2", "strategy=data", "strategy.zero=3"], ["nproc=2", "strategy=model"],
+             ["nproc=2", "strategy=pipeline", "strategy.schedule=ZBVZeroBubble"], ["strategy=offload"],
+             ["nproc=4", "strategy=hybrid", "strategy.dp=2", "strategy.pp=2"]]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", EVAL_RUNS, ids=["zero3", "model", "pipeline_zbv", "offload", "hybrid"])
+def test_eval_is_singles(eval_single, tmp_path, strategy):
+    cli.run(EVAL + strategy + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    cli.assert_same_training(tmp_path, eval_single)
+    got, want = evals(tmp_path), evals(eval_single)
+    assert [r["step"] for r in want] == [2, 4] and set(want[0]) == {"step", "eval_loss", "eval_accuracy",
+                                                                  "eval_perplexity"}
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for key in w:
+            torch.testing.assert_close(g[key], w[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.timeout(180)
+def test_training_is_the_same_with_and_without_eval(tmp_path):
+    """A model with dropout that also draws in eval mode: evaluating after every step (its logged line apart)
+    leaves every loss and weight as they were, bit for bit."""
+    run = ["trainer.steps=3", "trainer.log_every=2", "trainer.progress=false", "trainer.save_final=true",
+           "model=custom", "model._target_=tests.user_loss.draws_in_eval"]
+    cli.run(run + [f"run_dir={tmp_path / 'plain'}"], cwd=tmp_path)
+    cli.run(run + ["trainer.eval_every=1", "trainer.eval_batches=1", f"run_dir={tmp_path / 'eval'}"], cwd=tmp_path)
+    plain, evaluated = cli.metrics(tmp_path / "plain"), cli.metrics(tmp_path / "eval")
+    assert [r["step"] for r in evaluated] == [1, 2, 3] and "loss" not in evaluated[0]  # step 1: eval only
+    assert [r["loss"] for r in plain] == [r["loss"] for r in evaluated if "loss" in r]
+    got, want = cli.final_weights(tmp_path / "eval"), cli.final_weights(tmp_path / "plain")
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
