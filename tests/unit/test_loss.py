@@ -123,3 +123,10 @@ def test_eval_every_without_eval_data(tmp_path):
                      "model": {"args": {"in_features": 8, "out_features": 2}}})
     with pytest.raises(ConfigError, match="trainer.eval_every=2: data=shards has no eval data"):
         validate(cfg, 1)
+
+
+def test_eval_figures_go_to_their_own_tensorboard_group():
+    from parallel.metrics import _tb_name
+
+    assert [_tb_name(k) for k in ("eval_loss", "eval_accuracy", "eval_perplexity", "loss")] == \
+        ["eval/loss", "eval/accuracy", "eval/perplexity", "train/loss"]
