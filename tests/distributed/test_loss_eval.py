@@ -115,3 +115,19 @@ def test_training_is_the_same_with_and_without_eval(tmp_path):
     got, want = cli.final_weights(tmp_path / "eval"), cli.final_weights(tmp_path / "plain")
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+BAD = [(["loss._target_=tests.user_loss.nowhere"], "loss._target_='tests.user_loss.nowhere': cannot be imported"),
+       (["loss._target_=tests.user_loss.squared_sum"], "loss._target_='tests.user_loss.squared_sum': returns a sum"),
+       (["loss._target_=tests.user_loss.per_sample"], "must return a scalar tensor"),
+       (["data=custom", "data._target_=tests.user_loss.padded_lm", "trainer.eval_every=2"],
+        "trainer.eval_every=2: data=custom has no eval data")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,words", BAD, ids=["unimportable", "sum_as_mean", "non_scalar", "no_eval_data"])
+def test_bad_loss_or_eval_input_is_one_line_before_training(tmp_path, args, words):
+    proc = cli.run(args + ["trainer.steps=2"], cwd=tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and words in out and "Traceback" not in out, out
+    assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))  # nothing trained
