@@ -4,6 +4,7 @@
     <run_dir>/checkpoints/step-000040/
         .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): tensors by unpartitioned name
         rng-<rank>.pt                  each rank's random number generator states
+        data.pt                        the data source's state, when it keeps one (an iterable dataset's)
         trainer.json                   step, LR schedule, what it was saved under, every file's size
 
 The tensors are keyed by the names of the unpartitioned model, whatever holds
@@ -16,9 +17,11 @@ part of each tensor each file holds; loading asks for the pieces this rank holds
 now, under another strategy or world size, and DCP reads the overlapping parts
 (resharding). Replicated tensors are written once.
 
-The data position is the step: both data sources are functions of (seed,
+The data position is the step: the data sources are functions of (seed,
 step), so a run resumed at step k reads the batches of steps k+1.. on any
-world size (Note [shard order]).
+world size (Note [shard order], Note [custom data]). A stream (an iterable
+dataset) also has a state: the source's `state_dict()`, the same on every rank,
+saved once by rank 0 as data.pt and handed to its `load_state_dict` on resume.
 
 # Note [atomic checkpoint]
 A checkpoint is written into `step-N.partial/`; after every rank has written
@@ -47,6 +50,7 @@ from parallel.seeding import rng_state, set_rng_state
 
 SUFFIX = ".partial"
 META = "trainer.json"
+DATA = "data.pt"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -200,6 +204,9 @@ class Checkpointer:
         state, _ = training_state(run)
         dcp.save(state, checkpoint_id=str(partial))
         torch.save(rng_state(), partial / f"rng-{rank}.pt")
+        data_state = run.data.state_dict() if hasattr(run.data, "state_dict") else None
+        if rank == 0 and data_state is not None:
+            torch.save(data_state, partial / DATA)
         dist.barrier()  # every rank's files are whole
         if rank == 0:
             self._seal(run, step, partial, final)
@@ -296,6 +303,8 @@ def load(run, path: Path) -> int:
                 dst[key].copy_(value)
     run.engine.load_checkpoint_state(state["model"], state["optim"])
     run.scheduler.load_state_dict(meta["scheduler"])
+    if (path / DATA).is_file() and hasattr(run.data, "load_state_dict"):
+        run.data.load_state_dict(torch.load(path / DATA, weights_only=False))
     for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
         group["lr"] = lr
     _restore_rng(run, path, meta)

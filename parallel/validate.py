@@ -67,7 +67,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.nproc is not None:
         positive("nproc", cfg.nproc)
     check_optim(cfg.optim)
-    check_data(cfg.data, cfg.trainer.batch_size)
+    check_data(cfg.data, cfg.trainer.batch_size, getattr(cfg.trainer, "eval_every", 0))
     check_memory(cfg.memory)
     s = cfg.strategy
     if s.name == "auto":  # each candidate is validated as it is tried (parallel.auto)

@@ -42,16 +42,17 @@ def hf_classification(n: int = 96, features: int = 8, classes: int = 3):
 
 
 class Stream(IterableDataset):
-    """An endless stream of dict samples {'x': floats, 'y': floats}, the i-th drawn from a generator seeded
-    by i; with state_dict / load_state_dict (its position) when `stateful`."""
+    """A stream of dict samples {'x': floats, 'y': floats}, the i-th drawn from a generator seeded by i (endless,
+    or `length` long); with state_dict / load_state_dict (its position) when `stateful`. Iterating starts at
+    the beginning, or where load_state_dict said."""
 
     def __init__(self, features: int = 8, targets: int = 2, length: int = 0):
         self.features, self.targets, self.length = features, targets, length
         self.teacher = _teacher(features, targets)
-        self.position = 0
+        self.position, self.start = 0, 0
 
     def __iter__(self):
-        i = self.position
+        i, self.start = self.start, 0
         while not self.length or i < self.length:
             x = torch.randn(self.features, generator=torch.Generator().manual_seed(1000 + i))
             i += 1
@@ -64,7 +65,7 @@ class StatefulStream(Stream):
         return {"position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = state["position"]
+        self.start = state["position"]
 
 
 def stream(features: int = 8, targets: int = 2, stateful: bool = False, length: int = 0) -> Stream:

@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from parallel.config import TASKS, DataConfig, fail, positive
-from parallel.data.custom import MapData, check_custom, read_custom_hints
+from parallel.data.custom import IterData, MapData, build_custom_eval, check_custom, read_custom_hints
 from parallel.data.shards import ShardData, check_shards
 from parallel.data.shards import read_hints as read_shard_hints
 from parallel.data.synthetic import SyntheticData
@@ -28,7 +28,8 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp
     if cfg.name == "shards":
         return ShardData(cfg, seed, batch_size, dp_rank, dp_size)
     if cfg.name == "custom":
-        return MapData(cfg, seed, batch_size, dp_rank, dp_size)
+        source = IterData if cfg.spec.get("iterable") else MapData
+        return source(cfg, seed, batch_size, dp_rank, dp_size)
     return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size)
 
 
@@ -77,14 +78,24 @@ def read_hints(d) -> dict:
     return {}
 
 
-def check_data(d: DataConfig, batch_size: int) -> None:
-    """The data group's settings (and, for data=shards, the dataset's files; for data=custom, its size)."""
+def build_eval_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+    """The evaluation source, or None: its `batch(i, device)` for i = 1, 2, ... is this rank's slice of global
+    evaluation batch i (a fixed order, the same on any world size), its `num_batches` how many there are
+    (None: unbounded). data=custom: data.eval or data.eval_fraction (parallel/data/custom/evaluation.py)."""
+    if cfg.name == "custom":
+        return build_custom_eval(cfg, seed, batch_size, dp_rank, dp_size)
+    return None
+
+
+def check_data(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
+    """The data group's settings (and, for data=shards, the dataset's files; for data=custom, its size and
+    evaluation data)."""
     if d.name not in SOURCES:
         fail("data.name", d.name, "unknown data source", list(SOURCES))
     if d.name == "shards":
         check_shards(d)
     if d.name == "custom":
-        check_custom(d, batch_size)
+        check_custom(d, batch_size, eval_every)
     elif d.eval_fraction or (d.eval or {}).get("_target_"):
         fail("data.eval_fraction" if d.eval_fraction else "data.eval", d.eval_fraction or dict(d.eval),
              "evaluation datasets are for data=custom")
@@ -103,5 +114,5 @@ def check_data(d: DataConfig, batch_size: int) -> None:
         fail("data.noise", d.noise, "must be >= 0")
 
 
-__all__ = ["DataSource", "MapData", "ShardData", "SyntheticData", "build_data", "check_data", "example_input",
-           "planned_data", "read_hints"]
+__all__ = ["DataSource", "IterData", "MapData", "ShardData", "SyntheticData", "build_data", "build_eval_data",
+           "check_data", "example_input", "planned_data", "read_hints"]

@@ -71,7 +71,7 @@ def read_custom_hints(d) -> dict:
         _below("data.vocab_size", hints["vocab_size"], y, "target")
     eval_cfg = _plain(d.eval) or {}
     if eval_cfg.get("_target_"):
-        _check_eval_sample(eval_cfg, Collate(ik, tk, user), x, y)
+        hints["spec"]["eval_samples"] = _check_eval_sample(eval_cfg, Collate(ik, tk, user), x, y)
     return hints
 
 
@@ -92,8 +92,9 @@ def _below(key: str, value: int, t: torch.Tensor, what: str) -> None:
         fail(key, value, f"the first sample's {what} holds id {int(t.max())}: ids must be below {key}")
 
 
-def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: torch.Tensor) -> None:
-    """data.eval's dataset gives samples of the training samples' fields, shapes and dtypes."""
+def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: torch.Tensor) -> int | None:
+    """data.eval's dataset gives samples of the training samples' fields, shapes and dtypes; returns its
+    sample count (None: a stream)."""
     target = eval_cfg["_target_"]
     ds = build_dataset("data.eval._target_", target, eval_cfg.get("args") or {})
     sample = first_sample("data.eval._target_", target, ds)
@@ -102,10 +103,12 @@ def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: tor
     if _spec(ex) != _spec(x) or _spec(ey) != _spec(y):
         fail("data.eval._target_", target, f"its samples (input {_spec(ex)}, target {_spec(ey)}) differ from the "
              f"training samples' (input {_spec(x)}, target {_spec(y)})")
+    return None if is_iterable(ds) else len(ds)
 
 
-def check_custom(d: DataConfig, batch_size: int) -> None:
-    """data=custom's settings, after the first sample was read (`read_custom_hints`)."""
+def check_custom(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
+    """data=custom's settings, after the first sample was read (`read_custom_hints`); `eval_every`:
+    trainer.eval_every, which needs evaluation data."""
     spec = d.spec or {}
     if not d._target_:
         fail("data._target_", d._target_, "data=custom needs the dataset's factory", "package.module.callable")
@@ -113,18 +116,23 @@ def check_custom(d: DataConfig, batch_size: int) -> None:
         fail("data.eval_fraction", d.eval_fraction, "must be in [0, 1) (0: nothing held out)")
     if d.eval_fraction and (d.eval or {}).get("_target_"):
         fail("data.eval_fraction", d.eval_fraction, "data.eval names an evaluation dataset already: set one")
+    if eval_every and not d.eval_fraction and not (d.eval or {}).get("_target_"):
+        fail("trainer.eval_every", eval_every, "data=custom has no evaluation data: set data.eval._target_ "
+             "(a dataset of its own) or data.eval_fraction (a part of the training set held out)")
     if d.collate and set(d.collate) - {"_target_"}:
         fail("data.collate", dict(d.collate), "takes only _target_ (a function of a list of samples)")
-    if spec.get("iterable"):
-        if d.eval_fraction:
-            fail("data.eval_fraction", d.eval_fraction, "an iterable dataset has no samples to hold out by "
-                 "position; give data.eval a dataset of its own")
-        return
+    if spec.get("iterable") and d.eval_fraction:
+        fail("data.eval_fraction", d.eval_fraction, "an iterable dataset has no samples to hold out by "
+             "position; give data.eval a dataset of its own")
     n = spec.get("samples") or 0
     held = held_out_count(n, d.eval_fraction)
-    if d.eval_fraction and held == 0:
-        fail("data.eval_fraction", d.eval_fraction, f"holds out no sample of {n}")
-    if n - held < batch_size:
+    if d.eval_fraction and held < batch_size:
+        fail("data.eval_fraction", d.eval_fraction, f"holds out {held} of {n} samples, fewer than one global "
+             f"batch (trainer.batch_size={batch_size}) to evaluate")
+    if spec.get("eval_samples") is not None and spec["eval_samples"] < batch_size:
+        fail("data.eval._target_", d.eval["_target_"], f"the evaluation dataset has {spec['eval_samples']} "
+             f"samples, fewer than one global batch (trainer.batch_size={batch_size})")
+    if not spec.get("iterable") and n - held < batch_size:
         fail("data._target_", d._target_, f"the dataset has {n - held} samples to train on"
              f"{f' ({held} held out)' if held else ''}, fewer than one global batch (trainer.batch_size="
              f"{batch_size})")
