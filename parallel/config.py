@@ -150,7 +150,8 @@ class DataConfig:
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
     # The sample's field fed to the model and the one the loss compares with: a dict key or a tuple
-    # index; None: item 0 and 1 of a tuple, input_ids / pixel_values / x and labels / y of a dict.
+    # index (with data.collate: of the batch it returns); None: item 0 and 1 of a tuple, input_ids /
+    # pixel_values / x and labels / y of a dict.
     input_key: Optional[str] = None
     target_key: Optional[str] = None
     # {_target_: package.module.fn}: turns a list of samples into a batch; none: PyTorch's default_collate.

@@ -13,7 +13,9 @@ from parallel.data.custom.dataset import (
     _count,
     _spec,
     build_dataset,
+    error_text,
     first_sample,
+    import_callable,
     infer_task,
     is_iterable,
     resolve_key,
@@ -24,6 +26,15 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+def _user_batch(user: str, sample: Any) -> Any:
+    """data.collate's batch of one sample."""
+    fn = import_callable("data.collate._target_", user)
+    try:
+        return fn([sample])
+    except Exception as e:  # noqa: BLE001 - the user's function
+        fail("data.collate._target_", user, f"collating a sample failed: {error_text(e)}")
+
+
 def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample through the configured collation -> its (input, target) tensors."""
     try:
@@ -32,7 +43,7 @@ def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[tor
         raise
     except Exception as e:  # noqa: BLE001 - a user's collate function, or fields default_collate cannot stack
         key, target = ("data.collate._target_", collate.user) if collate.user else (key, target)
-        fail(key, target, f"collating a sample failed: {type(e).__name__}: {e}")
+        fail(key, target, f"collating a sample failed: {error_text(e)}")
     if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.dim() == 0:
         fail(key, target, "the batch's input must be a tensor with a sample dimension")
     return x[0], y[0]
@@ -48,8 +59,9 @@ def read_custom_hints(d) -> dict:
     target, args = d._target_, _plain(d.args)
     ds = build_dataset("data._target_", target, args)
     sample = first_sample("data._target_", target, ds)
-    ik, tk = resolve_key(sample, d.input_key, "input"), resolve_key(sample, d.target_key, "target")
     user = (_plain(d.collate) or {}).get("_target_")
+    fields = _user_batch(user, sample) if user else sample  # the keys name fields of what the model is fed
+    ik, tk = resolve_key(fields, d.input_key, "input"), resolve_key(fields, d.target_key, "target")
     x, y = _collated("data._target_", target, Collate(ik, tk, user), sample)
     task = infer_task(x, y) if d.task == "auto" else d.task
     hints: dict[str, Any] = {
@@ -98,7 +110,8 @@ def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: tor
     target = eval_cfg["_target_"]
     ds = build_dataset("data.eval._target_", target, eval_cfg.get("args") or {})
     sample = first_sample("data.eval._target_", target, ds)
-    resolve_key(sample, collate.input_key, "input"), resolve_key(sample, collate.target_key, "target")
+    fields = _user_batch(collate.user, sample) if collate.user else sample
+    resolve_key(fields, collate.input_key, "input"), resolve_key(fields, collate.target_key, "target")
     ex, ey = _collated("data.eval._target_", target, collate, sample)
     if _spec(ex) != _spec(x) or _spec(ey) != _spec(y):
         fail("data.eval._target_", target, f"its samples (input {_spec(ex)}, target {_spec(ey)}) differ from the "
