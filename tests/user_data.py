@@ -122,6 +122,19 @@ def wide(n: int = 64) -> Listed:
     return Listed([(torch.zeros(9), torch.zeros(2))] * n)
 
 
+def _rows(n: int):
+    for i in range(n):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        yield {"x": x.tolist(), "y": (x[:2] * 2).tolist()}
+
+
+def hf_stream(n: int = 200):
+    """A Hugging Face datasets.IterableDataset (it has state_dict / load_state_dict)."""
+    import datasets
+
+    return datasets.IterableDataset.from_generator(_rows, gen_kwargs={"n": n})
+
+
 def not_a_dataset(**kwargs) -> list:
     return [(torch.zeros(8), torch.zeros(2))] * 64
 

@@ -50,3 +50,13 @@ def test_zero3_matches_single_and_resumes_on_single(single, tmp_path, name):
                                torch.tensor([want[s] for s in (4, 5, 6)], dtype=torch.float64), rtol=1e-4, atol=0)
     for key, value in cli.final_weights(ref).items():
         torch.testing.assert_close(cli.final_weights(resumed)[key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_a_sample_the_model_cannot_take_stops_before_any_worker(tmp_path):
+    proc = cli.run(cli.FAST + ["data=custom", "data._target_=tests.user_data.images", "nproc=2", "strategy=data",
+                               f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error: data.input_key='0': the model does not take the dataset's "
+                                  "regression samples (field '0': torch.float32 features of shape (3, 4, 4))")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()

@@ -105,6 +105,20 @@ def test_stream_positions_and_resume(stateful):
     assert again.dataset.started_at == (96 if stateful else 0)
 
 
+def test_hugging_face_stream_resumes_from_its_state():
+    cfg = config("data.workers=0", target="tests.user_data.hf_stream")
+    one = global_batches(cfg, range(1, 4), 1)
+    torch.testing.assert_close(global_batches(cfg, [1, 2, 3], 2), one, rtol=0, atol=0)
+    source = build_data(cfg.data, 0, 32)
+    for step in (1, 2):
+        source.batch(step, CPU)
+    again = build_data(cfg.data, 0, 32)
+    again.load_state_dict(source.state_dict())
+    torch.testing.assert_close(again.batch(3, CPU), tuple(one[3]), rtol=0, atol=0)
+    state = again.state_dict()["states"][3]
+    assert state["position"] == 96 and state["dataset"]  # the stream's own state, after step 3
+
+
 def test_stream_read_by_a_loader_process_keeps_its_state():
     cfg = config("data.workers=1", "+data.args.stateful=true", target="tests.user_data.stream")
     source = build_data(cfg.data, 0, 32)
