@@ -1,7 +1,7 @@
 """Loading a user's dataset: data=custom on 2 ranks vs a hand-written DataLoader + DistributedSampler loop,
 alternating.
 
-    python benchmarks/dataloading.py [--pairs 5] [--steps 40] [--workers 1] [--rounds 8]
+    python benchmarks/dataloading.py [--pairs 7] [--steps 40] [--workers 1] [--rounds 2]
 
 Both sides train the same MLP (strategy=data strategy.zero=0 against a hand-written DDP loop) on the same
 map-style dataset (benchmarks/costly_data.py), whose samples cost real CPU time to make, loaded by
@@ -52,14 +52,14 @@ def _env() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=8, help="the work per sample (benchmarks/costly_data.py)")
+    ap.add_argument("--rounds", type=int, default=2, help="the work per sample (benchmarks/costly_data.py)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dataloading.json"))
     a = ap.parse_args()
     from benchmarks.costly_data import costly, sample_cost_s

@@ -60,7 +60,7 @@ def build_dataset(key: str, target: Any, args: Mapping) -> Any:
         ds = factory(**dict(args))
     except ConfigError:
         raise
-    except (TypeError, ValueError, FileNotFoundError) as e:
+    except (TypeError, ValueError, OSError) as e:
         fail(key, target, f"building the dataset with args {dict(args)} failed: {error_text(e)}")
     if (_hf(ds, "Dataset") or _hf(ds, "IterableDataset")) and getattr(ds, "format", {}).get("type") is None:
         ds = ds.with_format("torch")
@@ -178,7 +178,8 @@ def _count(ds: Any, names: tuple[str, ...], key: str) -> int | None:
             return value
         if isinstance(value, Sequence) and not isinstance(value, str) and value:
             return len(value)
-    feature = (getattr(ds, "features", None) or {}).get(key) if not key.isdigit() else None
+    features = getattr(ds, "features", None)  # a Hugging Face dataset's Features (a dict of field -> type)
+    feature = features.get(key) if isinstance(features, Mapping) else None
     return getattr(feature, "num_classes", None)
 
 

@@ -88,10 +88,9 @@ def read_custom_hints(d) -> dict:
 
 
 def _size(ds: Any, names: tuple, field: str, key: str, configured: int, t: torch.Tensor, what: str) -> int:
-    """classes / vocab_size: what the dataset states, else the configured value; the first sample's ids
-    must be below it."""
-    found = _count(ds, names, field)
-    value = found or configured
+    """classes / vocab_size: the configured value when set (not 0), else what the dataset states; the first
+    sample's ids must be below it."""
+    value = configured or _count(ds, names, field)
     if not value:
         fail(f"data.{key}", configured, f"the dataset does not say its {key} (no {' / '.join(names)} attribute"
              f"{', no ClassLabel feature' if key == 'classes' else ''}): set data.{key}=N")
