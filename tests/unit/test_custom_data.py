@@ -84,6 +84,16 @@ def test_eval_dataset_in_its_own_order():
     assert build_data(cfg.data, 0, 32).order.per_epoch == 3  # the training set keeps all of its samples
 
 
+def test_eval_stream_starts_again_at_each_evaluation():
+    cfg = config("data.workers=0", "data.eval._target_=tests.user_data.stream", "+data.eval.args.length=64",
+                 target="tests.user_data.stream")
+    source = build_eval_data(cfg.data, 0, 32, 1, 2)
+    assert source.num_batches is None
+    first = [source.batch(i, CPU) for i in (1, 2)]
+    torch.testing.assert_close(source.batch(1, CPU), first[0], rtol=0, atol=0)
+    torch.testing.assert_close(first[1][0], global_batches(cfg, [2], 1, eval_source=True)[2][0][16:], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("stateful", [True, False])
 def test_stream_positions_and_resume(stateful):
     cfg = config("data.workers=0", f"+data.args.stateful={stateful}", target="tests.user_data.stream")
