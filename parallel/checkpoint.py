@@ -44,8 +44,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from parallel.config import Config, ConfigError, RunError
+from parallel.lr_schedule import restore_scheduler
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
+from parallel.optim import state_shapes
 from parallel.seeding import rng_state, set_rng_state
 
 SUFFIX = ".partial"
@@ -71,15 +73,15 @@ def training_state(run) -> tuple[dict, list[tuple[dict, dict]]]:
     return {"model": model, "optim": optim}, copies
 
 
-def expected_keys(cfg: Config) -> dict[str, tuple]:
-    """Every key a checkpoint of this model holds, with its shape (built on the meta device)."""
+def expected_keys(cfg: Config) -> tuple[dict[str, tuple], bool]:
+    """Every key a checkpoint of this model holds, with its shape (built on the meta device), and whether the
+    optimizer's keys are among them (False: a user optimizer that cannot step on the meta device)."""
     model = build_meta_model(cfg.model)
     keys = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, p in model.named_parameters():  # the first name of a tied weight, as `training_state` keys it
-        if p.requires_grad:
-            keys[f"optim.{name}.step"] = ()
-            keys[f"optim.{name}.exp_avg"] = keys[f"optim.{name}.exp_avg_sq"] = tuple(p.shape)
-    return keys
+    shapes = state_shapes(cfg, model)  # the first name of a tied weight, as `training_state` keys it
+    for name, state in (shapes or {}).items():
+        keys.update({f"optim.{name}.{k}": shape for k, shape in state.items()})
+    return keys, shapes is not None
 
 
 # ---- finding a complete one -----------------------------------------------------------------------------------
@@ -165,7 +167,9 @@ def check_resume(cfg: Config) -> None:
                           f"{cfg.trainer.steps}: nothing left to train (raise trainer.steps)")
     saved = {k: tuple(getattr(v, "size", ())) for k, v in
              dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()}
-    want = expected_keys(cfg)
+    want, with_optim = expected_keys(cfg)
+    if not with_optim:
+        saved = {k: v for k, v in saved.items() if not k.startswith("optim.")}
     missing = sorted(set(want) - set(saved))
     extra = sorted(set(saved) - set(want))
     shapes = sorted(k for k in set(want) & set(saved) if want[k] != saved[k])
@@ -302,11 +306,9 @@ def load(run, path: Path) -> int:
             for key, value in src.items():
                 dst[key].copy_(value)
     run.engine.load_checkpoint_state(state["model"], state["optim"])
-    run.scheduler.load_state_dict(meta["scheduler"])
+    restore_scheduler(run.scheduler, run.optimizer, meta["scheduler"])
     if (path / DATA).is_file() and hasattr(run.data, "load_state_dict"):
         run.data.load_state_dict(torch.load(path / DATA, weights_only=False))
-    for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
-        group["lr"] = lr
     _restore_rng(run, path, meta)
     saved = meta["strategy"]
     log.info("resumed from %s (step %d; saved under strategy=%s on %d ranks) in %.2f s", path, meta["step"],

@@ -62,7 +62,7 @@ from parallel.init import InitPlan
 from parallel.loss import loss_fn
 from parallel.metrics import log
 from parallel.offload.activations import ActivationStore
-from parallel.offload.adamw import BlockAdamW, OffloadOptimizer
+from parallel.offload.adamw import BlockAdamW, OffloadOptimizer, state_keys
 from parallel.offload.hooks import BlockHooks
 from parallel.offload.layout import Layout
 from parallel.offload.lookahead import THREAD, FrozenLookahead, frozen_prefix, splits_forward
@@ -162,7 +162,7 @@ class OffloadEngine(Engine):
         if self.tier_names["params"] == "disk":
             need += total
         if self.tier_names["optimizer"] == "disk":
-            need += 3 * total  # two AdamW moments, and the gradients when clipping
+            need += (len(state_keys(self.cfg.optim)) + 1) * total  # the state (AdamW: two moments), gradients
         return need
 
     def _make_tiers(self, io: OffloadIO) -> None:
@@ -191,8 +191,8 @@ class OffloadEngine(Engine):
 
     # ---- the engine interface -------------------------------------------------------------------------
 
-    def make_optimizer(self) -> OffloadOptimizer:
-        return self.adamw.make_optimizer()
+    def make_optimizer(self, names: dict[int, str]) -> OffloadOptimizer:
+        return self.adamw.make_optimizer(names)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.steps_run += 1
@@ -252,14 +252,14 @@ class OffloadEngine(Engine):
         return self.state.full_state_dict()
 
     def checkpoint_state(self, optimizer, canonical: dict[str, str]):
-        """(weights and buffers, AdamW state, no copies) under the original names, as CPU copies read from the
-        tiers (the state the first step has not made yet is zeros, as AdamW starts it); the engine keeps its
+        """(weights and buffers, optimizer state, no copies) under the original names, as CPU copies read from
+        the tiers (the state the first step has not made yet is zeros); the engine keeps its
         own optimizer state, and a tied weight stays resident under its first name."""
         model = self.full_state_dict()  # also waits for the step in flight
         return model, self.state.optimizer_state(), []
 
     def load_checkpoint_state(self, model: dict, optim: dict) -> None:
-        """Write loaded weights, buffers and AdamW state (as `checkpoint_state` gives them) to their tiers."""
+        """Write loaded weights, buffers and optimizer state (as `checkpoint_state` gives them) to their tiers."""
         self.adamw.wait()
         self.state.load(model, optim)
 
