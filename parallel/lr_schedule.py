@@ -111,12 +111,27 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRSchedule
 
 
 def restore_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a checkpoint's schedule state and set every group's lr for the next step. The built-in schedule
-    is computed again for this run's trainer.steps (Note [lr schedule]); a class keeps the lr it saved."""
-    scheduler.load_state_dict(state)
+    """Load a checkpoint's schedule state (rank 0's) and set every group's lr for the next step.
+
+    The built-in schedule takes only the step from it and computes the lrs
+    again, for this run's groups and trainer.steps (Note [lr schedule]). A
+    class loads its own state; where this rank's groups are not those saved
+    (a pipeline stage holds some of them; optim.lr_scale), each per-group list
+    is rebuilt from the saved first group's factor times this rank's own lrs.
+    """
     if isinstance(scheduler, LambdaLR) and all(getattr(f, "built_in", False) for f in scheduler.lr_lambdas):
+        scheduler.last_epoch, scheduler._step_count = state["last_epoch"], state["_step_count"]
         # The expression LambdaLR.get_lr uses, so a resume of the same length sets the same numbers.
         scheduler._last_lr = [base * f(scheduler.last_epoch)
                               for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    else:
+        saved, mine = list(state.get("base_lrs", [])), list(scheduler.base_lrs)
+        if saved and saved != mine:
+            state = {k: [v[0] / saved[0] * b for b in mine] if _per_group(v, saved) else v for k, v in state.items()}
+        scheduler.load_state_dict(state)
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
+
+
+def _per_group(value, saved: list) -> bool:
+    return isinstance(value, list) and len(value) == len(saved) and all(isinstance(v, (int, float)) for v in value)
