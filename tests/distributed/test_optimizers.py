@@ -23,8 +23,9 @@ STRATEGIES = {
     "model": ["nproc=2", "strategy=model"],
     "pipeline": ["nproc=2", "strategy=pipeline"],
     "offload": ["strategy=offload"],
+    "hybrid": ["nproc=4", "strategy=hybrid", "strategy.dp=2", "strategy.pp=2", "strategy.zero=3"],
 }
-CASES = [("sgd", s) for s in STRATEGIES] + [("adam", s) for s in STRATEGIES if s != "offload"]
+CASES = [("sgd", s) for s in STRATEGIES] + [("adam", s) for s in STRATEGIES if s not in ("offload", "hybrid")]
 
 
 def single(reference, optimizer: str, *extra: str):

@@ -6,6 +6,8 @@ from torch import nn
 
 from parallel.config import Config, OptimConfig
 from parallel.optim import build_optimizer, matches, optimizer_kwargs, param_state, state_shapes
+from parallel.planner import plan
+from parallel.validate import validate
 
 
 @pytest.mark.parametrize("name,pattern,hit", [
@@ -84,3 +86,26 @@ def test_state_made_before_the_first_step_is_the_optimizers_own_layout(target, a
         meta = Net()
     shapes = state_shapes(cfg, meta)
     assert shapes == {n: {k: tuple(v.shape) for k, v in made[p].items()} for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy,world", [("single", 1), ("data", 2)])
+def test_planner_counts_the_chosen_optimizers_state(strategy, world):
+    """SGD with momentum holds one buffer per weight, without momentum none, Adam two (and a step counter per
+    parameter); ZeRO-1 shares them over the data-parallel ranks."""
+    got = {}
+    for name, target, args in (("sgd", "torch.optim.SGD", {"momentum": 0.9}), ("plain", "torch.optim.SGD", {}),
+                               ("adam", "torch.optim.Adam", {})):
+        cfg = Config()
+        cfg.optim._target_, cfg.optim.args, cfg.strategy.name = target, args, strategy
+        cfg.strategy.zero = 1 if strategy == "data" else 0
+        validate(cfg, world)
+        got[name] = plan(cfg, world)[0]
+    params = got["sgd"].params
+    assert got["plain"].optimizer == 0
+    if strategy == "single":
+        tensors = 2 * (2 + 4)  # weight and bias of the input, 4 blocks and the head (model=mlp)
+        assert got["sgd"].optimizer == params
+        assert got["adam"].optimizer == 2 * params + 4 * tensors  # the moments, and a float32 step each
+    else:  # ZeRO-1 gives each rank whole tensors, about half of them
+        assert got["sgd"].optimizer == pytest.approx(params / 2, rel=0.1)
+        assert got["adam"].optimizer == pytest.approx(params, rel=0.1)
