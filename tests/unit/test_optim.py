@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.config import Config, OptimConfig
-from parallel.optim import build_optimizer, matches, optimizer_kwargs, param_state, state_shapes
+from parallel.config import Config, ConfigError, OptimConfig
+from parallel.optim import build_optimizer, check_optimizer, matches, optimizer_kwargs, param_state, state_shapes
 from parallel.planner import plan
 from parallel.validate import validate
 
@@ -109,3 +109,30 @@ def test_planner_counts_the_chosen_optimizers_state(strategy, world):
     else:  # ZeRO-1 gives each rank whole tensors, about half of them
         assert got["sgd"].optimizer == pytest.approx(params / 2, rel=0.1)
         assert got["adam"].optimizer == pytest.approx(params, rel=0.1)
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A user's own optimizer (reached as tests.unit.test_optim.SignSGD): steps by the gradient's sign."""
+
+    def __init__(self, params, lr: float = 0.01, weight_decay: float = 0.0, scale: float = 1.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, scale=scale))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.mul_(1 - g["lr"] * g["weight_decay"]).add_(p.grad.sign(), alpha=-g["lr"] * g["scale"])
+
+
+def test_a_users_optimizer_class_with_its_arguments():
+    cfg = Config()
+    cfg.optim._target_, cfg.optim.args, cfg.optim.no_decay = "tests.unit.test_optim.SignSGD", {"scale": 2.0}, ["bias"]
+    check_optimizer(cfg, Net())
+    model = Net()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer(model, names, cfg)
+    assert type(opt) is SignSGD and {g["scale"] for g in opt.param_groups} == {2.0}
+    cfg.optim.args = {"scael": 2.0}
+    with pytest.raises(ConfigError, match=r"optim\.args.*scael.*valid: \['scale'\]"):
+        check_optimizer(cfg, Net())
