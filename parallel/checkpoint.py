@@ -8,9 +8,12 @@
         trainer.json                   step, LR schedule, what it was saved under, every file's size
 
 The tensors are keyed by the names of the unpartitioned model, whatever holds
-them: `model.<name>` for every parameter and buffer, `optim.<name>.<exp_avg |
-exp_avg_sq | step>` for AdamW's state, a weight tied to another (an output head
-tied to the embedding) under its first name. A rank saves its own pieces (an
+them: `model.<name>` for every parameter and buffer, `optim.<name>.<key>` for
+the optimizer's state under the optimizer's own keys (AdamW: exp_avg,
+exp_avg_sq, step; SGD with momentum: momentum_buffer; any class: what its step
+makes, `parallel.optim.param_state`), a weight tied to another (an output head
+tied to the embedding) under its first name. A checkpoint resumes under the
+same optimizer class and arguments (the resume check compares the keys). A rank saves its own pieces (an
 FSDP shard, a tensor-parallel slice, a pipeline stage's weights, ZeRO-1's share
 of the optimizer state) as DTensors or plain tensors, and DCP records which
 part of each tensor each file holds; loading asks for the pieces this rank holds

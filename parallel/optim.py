@@ -245,3 +245,12 @@ def state_shapes(cfg: Config, model: nn.Module) -> dict[str, dict[str, tuple]] |
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return None
     return {n: {k: tuple(v.shape) for k, v in states[p].items()} for n, p in named}
+
+
+def state_per_weight(cfg: Config) -> float:
+    """How many weights' worth of state the configured optimizer keeps per weight (AdamW 2, SGD with momentum
+    1, without 0), from the state it makes for a small real parameter."""
+    cls = optimizer_class(cfg.optim)
+    p = nn.Parameter(torch.zeros(8, 8))
+    state = param_state(cls([p], **optimizer_kwargs(cfg.optim, cls)), [p])[p]
+    return sum(v.numel() for v in state.values() if v.dim() > 0) / p.numel()

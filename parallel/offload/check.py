@@ -54,7 +54,7 @@ def check_offload_optimizer(cfg: Config) -> None:
 
 
 def check_offload_disk(cfg: Config, model: nn.Module) -> None:
-    """strategy.path is writable and has room for the weights, gradients and AdamW state of `model` (on meta).
+    """strategy.path is writable and has room for the weights, gradients and optimizer state of `model` (on meta).
 
     (Checked again, for the run directory, when the engine is built.)"""
     s = cfg.strategy

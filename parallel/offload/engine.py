@@ -14,8 +14,8 @@ params tier; every parameter object stays the same for the whole run, and its
             `prefetch` blocks before it (and their saved activations). When
             every trainable parameter of the block has its gradient
             (post-accumulate-grad hooks), the gradients leave the device:
-            - without clipping (trainer.clip_grad_norm=0) the block's AdamW
-              step runs right then on a host thread, overlapping the rest of
+            - without clipping (trainer.clip_grad_norm=0) the block's
+              optimizer step runs right then on a host thread, overlapping the rest of
               backward, and writes the new weights and state back;
             - with clipping, the step needs the global norm first: gradients
               go to the optimizer tier, and `OffloadOptimizer.step` streams
@@ -28,8 +28,8 @@ params tier; every parameter object stays the same for the whole run, and its
 Saved tensors that are views of a bound buffer are rebuilt from the block's
 buffer at unpack; other saved tensors go to the activations tier or stay
 (parallel.offload.saved). Parameters held by several blocks (tied weights) and
-those outside every block stay resident. The step is AdamW's own functional
-form, so every number matches `strategy=single`.
+those outside every block stay resident. The step is AdamW's or SGD's own
+functional form, per parameter group, so every number matches `strategy=single`.
 
 Each part is a small object the engine owns; a module imports only those
 listed above it (and tiers.py, activations.py below them all):
@@ -37,7 +37,8 @@ listed above it (and tiers.py, activations.py below them all):
     pool.py       BufferPool: the device buffers, all allocated at the start
     layout.py     Slot, Block, Layout: real parameters, blocks, their flat buffers' slots
     stream.py     WeightStream: a block's weights read from the params tier, bound, let go
-    adamw.py      BlockAdamW, OffloadOptimizer: the gradients' hand-off, the per-block step, the norm
+    adamw.py      BlockAdamW, OffloadOptimizer: the gradients' hand-off, the per-block step (AdamW or SGD),
+                  the norm
     lookahead.py  FrozenLookahead: a frozen leading part one batch ahead (Note [frozen lookahead])
     saved.py      SavedTensors: the saved-tensors hooks
     hooks.py      BlockHooks: forward, backward and gradient hooks

@@ -20,7 +20,7 @@ class OffloadState:
         model: the model (its buffers and resident parameters are its own).
         layout: the blocks and the resident parameters.
         stream: the block weights.
-        adamw: the AdamW state and step.
+        adamw: the optimizer's state and step.
         device: the compute device.
     """
 

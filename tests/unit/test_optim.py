@@ -5,8 +5,17 @@ import torch
 from torch import nn
 
 from parallel.config import Config, ConfigError, OptimConfig
-from parallel.optim import build_optimizer, check_optimizer, matches, optimizer_kwargs, param_state, state_shapes
+from parallel.optim import (
+    build_optimizer,
+    check_optimizer,
+    matches,
+    optimizer_kwargs,
+    param_state,
+    state_per_weight,
+    state_shapes,
+)
 from parallel.planner import plan
+from parallel.strategies.pipeline.partition import BlockCost, stage_memory
 from parallel.validate import validate
 
 
@@ -136,3 +145,15 @@ def test_a_users_optimizer_class_with_its_arguments():
     cfg.optim.args = {"scael": 2.0}
     with pytest.raises(ConfigError, match=r"optim\.args.*scael.*valid: \['scale'\]"):
         check_optimizer(cfg, Net())
+
+
+@pytest.mark.parametrize("target,args,state", [
+    (None, {}, 2.0), ("torch.optim.SGD", {"momentum": 0.9}, 1.0), ("torch.optim.SGD", {}, 0.0),
+    ("torch.optim.Adam", {"amsgrad": True}, 3.0),
+])
+def test_state_per_weight_the_pipeline_balancer_counts(target, args, state):
+    cfg = Config()
+    cfg.optim._target_, cfg.optim.args = target, args
+    assert state_per_weight(cfg) == state
+    block = BlockCost(name="b", params=10, param_bytes=40, act_bytes=8)
+    assert stage_memory([block], in_flight=2, state=state) == (2 + state) * 40 + 2 * 8
