@@ -181,8 +181,12 @@ def check_resume(cfg: Config) -> None:
                  f"{len(extra)} not in this model (e.g. {extra[:3]})" if extra else "",
                  "shapes differ: " + ", ".join(f"{k} {saved[k]} saved, {want[k]} here" for k in shapes[:3])
                  if shapes else ""]
-        raise ConfigError(f"{key}: saved from another model than model={cfg.model.name}: "
-                          + "; ".join(p for p in parts if p))
+        if all(k.startswith("optim.") for k in missing + extra + shapes):
+            what = f"with another optimizer state than optim._target_={cfg.optim._target_ or 'torch.optim.AdamW'}" \
+                   f" and optim.args={dict(cfg.optim.args)} keep"
+        else:
+            what = f"from another model than model={cfg.model.name}"
+        raise ConfigError(f"{key}: saved {what}: " + "; ".join(p for p in parts if p))
 
 
 # ---- saving ---------------------------------------------------------------------------------------------------

@@ -92,6 +92,10 @@ def test_sgd_momentum_checkpoint_from_zero3_on_two_ranks_resumes_on_single(refer
     final, want = cli.final_weights(tmp_path), cli.final_weights(ref)
     for name in want:
         torch.testing.assert_close(final[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # Under another optimizer its state does not fit: a config error before training.
+    proc = cli.run(BASE + [f"trainer.resume={zero3}/checkpoints/step-000003", f"run_dir={tmp_path / 'adamw'}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "another optimizer state" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(240)
