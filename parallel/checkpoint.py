@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from parallel.config import Config, ConfigError, RunError
-from parallel.lr_schedule import restore_scheduler
+from parallel.lr_schedule import group_settings, restore_scheduler
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
 from parallel.optim import state_shapes
@@ -230,7 +230,8 @@ class Checkpointer:
         s = self.cfg.strategy
         meta = {"step": step, "world_size": dist.get_world_size(),
                 "strategy": {"name": s.name, "dp": s.dp, "pp": s.pp, "tp": s.tp, "zero": s.zero},
-                "scheduler": run.scheduler.state_dict(), "files": files,
+                "scheduler": run.scheduler.state_dict(), "param_groups": group_settings(run.optimizer),
+                "files": files,
                 "bytes": sum(files.values()), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         _write_durably(partial / META, json.dumps(meta, indent=1))
         if final.exists():  # taken before by a run that resumed from an earlier one
@@ -313,7 +314,7 @@ def load(run, path: Path) -> int:
             for key, value in src.items():
                 dst[key].copy_(value)
     run.engine.load_checkpoint_state(state["model"], state["optim"])
-    restore_scheduler(run.scheduler, run.optimizer, meta["scheduler"])
+    restore_scheduler(run.scheduler, run.optimizer, meta["scheduler"], meta.get("param_groups"))
     if (path / DATA).is_file() and hasattr(run.data, "load_state_dict"):
         run.data.load_state_dict(torch.load(path / DATA, weights_only=False))
     _restore_rng(run, path, meta)

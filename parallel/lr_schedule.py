@@ -110,7 +110,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRSchedule
     return LambdaLR(optimizer, _factor(o, cfg.trainer.steps))
 
 
-def restore_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, state: dict) -> None:
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Every group's settings besides its parameters and lr (numbers, flags, lists of numbers), for a checkpoint:
+    a scheduler class may change them as it goes (OneCycleLR's momentum or betas)."""
+    def plain(v) -> bool:
+        return isinstance(v, (bool, int, float, str)) or (isinstance(v, (list, tuple)) and all(map(plain, v)))
+
+    return [{k: v for k, v in g.items() if k not in ("params", "lr") and plain(v)} for g in optimizer.param_groups]
+
+
+def restore_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, state: dict,
+                      settings: list[dict] | None = None) -> None:
     """Load a checkpoint's schedule state (rank 0's) and set every group's lr for the next step.
 
     The built-in schedule takes only the step from it and computes the lrs
@@ -118,6 +128,8 @@ def restore_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, 
     class loads its own state; where this rank's groups are not those saved
     (a pipeline stage holds some of them; optim.lr_scale), each per-group list
     is rebuilt from the saved first group's factor times this rank's own lrs.
+    Of the saved groups' other `settings` (`group_settings`), those every saved
+    group had alike (a momentum the class cycles) are set on every group here.
     """
     if isinstance(scheduler, LambdaLR) and all(getattr(f, "built_in", False) for f in scheduler.lr_lambdas):
         scheduler.last_epoch, scheduler._step_count = state["last_epoch"], state["_step_count"]
@@ -129,8 +141,17 @@ def restore_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer, 
         if saved and saved != mine:
             state = {k: [v[0] / saved[0] * b for b in mine] if _per_group(v, saved) else v for k, v in state.items()}
         scheduler.load_state_dict(state)
+        for key, value in _shared(settings or []).items():
+            for group in optimizer.param_groups:
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
+
+
+def _shared(settings: list[dict]) -> dict:
+    """The settings every saved group had alike, but for initial_lr (each group's own)."""
+    first = settings[0] if settings else {}
+    return {k: v for k, v in first.items() if k != "initial_lr" and all(s.get(k) == v for s in settings)}
 
 
 def _per_group(value, saved: list) -> bool:

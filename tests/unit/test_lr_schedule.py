@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from parallel.config import Config, ConfigError, OptimConfig, check_optim
-from parallel.lr_schedule import build_scheduler, check_schedule, lr_factor, restore_scheduler
+from parallel.lr_schedule import build_scheduler, check_schedule, group_settings, lr_factor, restore_scheduler
 
 
 def optim(**kw) -> OptimConfig:
@@ -122,3 +122,23 @@ def test_warmup_with_a_scheduler_class_is_refused():
     o.scheduler._target_ = "torch.optim.lr_scheduler.StepLR"
     with pytest.raises(ConfigError, match="optim.warmup_steps"):
         check_optim(o)
+
+
+def test_a_class_that_cycles_momentum_resumes_it():
+    """OneCycleLR changes the groups' betas as it goes: a resume sets those of the saved step, not the first."""
+    cfg = Config()
+    cfg.optim.scheduler._target_ = "torch.optim.lr_scheduler.OneCycleLR"
+    cfg.optim.scheduler.args = {"max_lr": 0.01, "total_steps": 6}
+
+    def make():
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+        return opt, build_scheduler(opt, cfg)
+
+    opt, sched = make()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    opt2, sched2 = make()
+    restore_scheduler(sched2, opt2, sched.state_dict(), group_settings(opt))
+    assert opt2.param_groups[0]["betas"] == opt.param_groups[0]["betas"] != (0.95, 0.999)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
