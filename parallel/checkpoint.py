@@ -4,21 +4,27 @@
     <run_dir>/checkpoints/step-000040/
         .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): tensors by unpartitioned name
         rng-<rank>.pt                  each rank's random number generator states
+        data.pt                        the data source's state, when it keeps one (an iterable dataset's)
         trainer.json                   step, LR schedule, what it was saved under, every file's size
 
 The tensors are keyed by the names of the unpartitioned model, whatever holds
-them: `model.<name>` for every parameter and buffer, `optim.<name>.<exp_avg |
-exp_avg_sq | step>` for AdamW's state, a weight tied to another (an output head
-tied to the embedding) under its first name. A rank saves its own pieces (an
+them: `model.<name>` for every parameter and buffer, `optim.<name>.<key>` for
+the optimizer's state under the optimizer's own keys (AdamW: exp_avg,
+exp_avg_sq, step; SGD with momentum: momentum_buffer; any class: what its step
+makes, `parallel.optim.param_state`), a weight tied to another (an output head
+tied to the embedding) under its first name. A checkpoint resumes under the
+same optimizer class and arguments (the resume check compares the keys). A rank saves its own pieces (an
 FSDP shard, a tensor-parallel slice, a pipeline stage's weights, ZeRO-1's share
 of the optimizer state) as DTensors or plain tensors, and DCP records which
 part of each tensor each file holds; loading asks for the pieces this rank holds
 now, under another strategy or world size, and DCP reads the overlapping parts
 (resharding). Replicated tensors are written once.
 
-The data position is the step: both data sources are functions of (seed,
+The data position is the step: the data sources are functions of (seed,
 step), so a run resumed at step k reads the batches of steps k+1.. on any
-world size (Note [shard order]).
+world size (Note [shard order], Note [custom data]). A stream (an iterable
+dataset) also has a state: the source's `state_dict()`, the same on every rank,
+saved once by rank 0 as data.pt and handed to its `load_state_dict` on resume.
 
 # Note [atomic checkpoint]
 A checkpoint is written into `step-N.partial/`; after every rank has written
@@ -41,12 +47,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from parallel.config import Config, ConfigError, RunError
+from parallel.lr_schedule import group_settings, restore_scheduler
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
+from parallel.optim import state_shapes
 from parallel.seeding import rng_state, set_rng_state
 
 SUFFIX = ".partial"
 META = "trainer.json"
+DATA = "data.pt"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -67,15 +76,15 @@ def training_state(run) -> tuple[dict, list[tuple[dict, dict]]]:
     return {"model": model, "optim": optim}, copies
 
 
-def expected_keys(cfg: Config) -> dict[str, tuple]:
-    """Every key a checkpoint of this model holds, with its shape (built on the meta device)."""
+def expected_keys(cfg: Config) -> tuple[dict[str, tuple], bool]:
+    """Every key a checkpoint of this model holds, with its shape (built on the meta device), and whether the
+    optimizer's keys are among them (False: a user optimizer that cannot step on the meta device)."""
     model = build_meta_model(cfg.model)
     keys = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, p in model.named_parameters():  # the first name of a tied weight, as `training_state` keys it
-        if p.requires_grad:
-            keys[f"optim.{name}.step"] = ()
-            keys[f"optim.{name}.exp_avg"] = keys[f"optim.{name}.exp_avg_sq"] = tuple(p.shape)
-    return keys
+    shapes = state_shapes(cfg, model)  # the first name of a tied weight, as `training_state` keys it
+    for name, state in (shapes or {}).items():
+        keys.update({f"optim.{name}.{k}": shape for k, shape in state.items()})
+    return keys, shapes is not None
 
 
 # ---- finding a complete one -----------------------------------------------------------------------------------
@@ -161,7 +170,9 @@ def check_resume(cfg: Config) -> None:
                           f"{cfg.trainer.steps}: nothing left to train (raise trainer.steps)")
     saved = {k: tuple(getattr(v, "size", ())) for k, v in
              dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()}
-    want = expected_keys(cfg)
+    want, with_optim = expected_keys(cfg)
+    if not with_optim:
+        saved = {k: v for k, v in saved.items() if not k.startswith("optim.")}
     missing = sorted(set(want) - set(saved))
     extra = sorted(set(saved) - set(want))
     shapes = sorted(k for k in set(want) & set(saved) if want[k] != saved[k])
@@ -170,8 +181,12 @@ def check_resume(cfg: Config) -> None:
                  f"{len(extra)} not in this model (e.g. {extra[:3]})" if extra else "",
                  "shapes differ: " + ", ".join(f"{k} {saved[k]} saved, {want[k]} here" for k in shapes[:3])
                  if shapes else ""]
-        raise ConfigError(f"{key}: saved from another model than model={cfg.model.name}: "
-                          + "; ".join(p for p in parts if p))
+        if all(k.startswith("optim.") for k in missing + extra + shapes):
+            what = f"with another optimizer state than optim._target_={cfg.optim._target_ or 'torch.optim.AdamW'}" \
+                   f" and optim.args={dict(cfg.optim.args)} keep"
+        else:
+            what = f"from another model than model={cfg.model.name}"
+        raise ConfigError(f"{key}: saved {what}: " + "; ".join(p for p in parts if p))
 
 
 # ---- saving ---------------------------------------------------------------------------------------------------
@@ -200,6 +215,9 @@ class Checkpointer:
         state, _ = training_state(run)
         dcp.save(state, checkpoint_id=str(partial))
         torch.save(rng_state(), partial / f"rng-{rank}.pt")
+        data_state = run.data.state_dict() if hasattr(run.data, "state_dict") else None
+        if rank == 0 and data_state is not None:
+            torch.save(data_state, partial / DATA)
         dist.barrier()  # every rank's files are whole
         if rank == 0:
             self._seal(run, step, partial, final)
@@ -212,7 +230,8 @@ class Checkpointer:
         s = self.cfg.strategy
         meta = {"step": step, "world_size": dist.get_world_size(),
                 "strategy": {"name": s.name, "dp": s.dp, "pp": s.pp, "tp": s.tp, "zero": s.zero},
-                "scheduler": run.scheduler.state_dict(), "files": files,
+                "scheduler": run.scheduler.state_dict(), "param_groups": group_settings(run.optimizer),
+                "files": files,
                 "bytes": sum(files.values()), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         _write_durably(partial / META, json.dumps(meta, indent=1))
         if final.exists():  # taken before by a run that resumed from an earlier one
@@ -295,9 +314,9 @@ def load(run, path: Path) -> int:
             for key, value in src.items():
                 dst[key].copy_(value)
     run.engine.load_checkpoint_state(state["model"], state["optim"])
-    run.scheduler.load_state_dict(meta["scheduler"])
-    for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
-        group["lr"] = lr
+    restore_scheduler(run.scheduler, run.optimizer, meta["scheduler"], meta.get("param_groups"))
+    if (path / DATA).is_file() and hasattr(run.data, "load_state_dict"):
+        run.data.load_state_dict(torch.load(path / DATA, weights_only=False))
     _restore_rng(run, path, meta)
     saved = meta["strategy"]
     log.info("resumed from %s (step %d; saved under strategy=%s on %d ranks) in %.2f s", path, meta["step"],

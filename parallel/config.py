@@ -21,7 +21,7 @@ TASKS = ("regression", "classification", "lm")
 INITS = ("module", "name")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-LR_SCHEDULES = ("cosine", "constant")
+LR_SCHEDULES = ("cosine", "constant", "linear", "wsd")
 BALANCES = ("time", "memory", "params")
 ZERO_LEVELS = (0, 1, 2, 3)
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -151,7 +151,8 @@ class DataConfig:
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
     # The sample's field fed to the model and the one the loss compares with: a dict key or a tuple
-    # index; None: item 0 and 1 of a tuple, input_ids / pixel_values / x and labels / y of a dict.
+    # index (with data.collate: of the batch it returns); None: item 0 and 1 of a tuple, input_ids /
+    # pixel_values / x and labels / y of a dict.
     input_key: Optional[str] = None
     target_key: Optional[str] = None
     # {_target_: package.module.fn}: turns a list of samples into a batch; none: PyTorch's default_collate.
@@ -168,16 +169,40 @@ class DataConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    # A torch.optim.lr_scheduler class ("torch.optim.lr_scheduler.StepLR" or a user's), built as
+    # `cls(optimizer, **args)` in place of optim.schedule; None: optim.schedule.
+    _target_: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"
+    # An optimizer class (`torch.optim.SGD`, or a user's `package.module.Class`) built with lr and
+    # weight_decay from the keys below, betas and eps when its constructor takes them, and `args`;
+    # None: AdamW (Note [optimizer] in parallel/optim.py).
+    _target_: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
     lr: float = 5e-3
     weight_decay: float = 0.01
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    # Parameter name patterns (`*` wildcards; a pattern matches the whole name or its end after a dot, so
+    # `bias` matches `blocks.0.attn.bias`) trained without weight decay.
+    no_decay: List[str] = field(default_factory=list)
+    # `pattern:factor` entries (as strategy.tp_plan's): the learning rate of matching parameters is
+    # lr x factor (the first entry that matches, in order), e.g. ["head.*:0.1", "*norm*:2"].
+    lr_scale: List[str] = field(default_factory=list)
     warmup_steps: int = 0
+    # constant | cosine | linear | wsd (warmup-stable-decay), after the linear warmup (Note [lr schedule]).
     schedule: str = "cosine"
-    # The cosine schedule decays to lr * min_lr_ratio at the last step.
+    # cosine, linear and wsd decay to lr * min_lr_ratio at the last step.
     min_lr_ratio: float = 0.1
+    # wsd: the decay takes the last decay_steps steps (None: decay_fraction of trainer.steps).
+    decay_steps: Optional[int] = None
+    decay_fraction: float = 0.2
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 @dataclass
@@ -315,19 +340,45 @@ def check_trainer(t: TrainerConfig) -> None:
 
 
 def check_optim(o: OptimConfig) -> None:
+    """The optimizer's and the schedule's own values (the class and its arguments: parallel.optim)."""
     if o.name != "adamw":
-        fail("optim.name", o.name, "unknown optimizer", ["adamw"])
+        fail("optim.name", o.name, "unknown optimizer (another class: optim._target_)", ["adamw"])
     if not o.lr > 0:
         fail("optim.lr", o.lr, "must be > 0")
     if o.weight_decay < 0:
         fail("optim.weight_decay", o.weight_decay, "must be >= 0")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)")
+    lr_scales(o)
     positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     if o.schedule not in LR_SCHEDULES:
         fail("optim.schedule", o.schedule, "unknown schedule", list(LR_SCHEDULES))
     if not 0 <= o.min_lr_ratio <= 1:
         fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    if o.decay_steps is not None:
+        positive("optim.decay_steps", o.decay_steps)
+    if not 0 < o.decay_fraction <= 1:
+        fail("optim.decay_fraction", o.decay_fraction, "must be in (0, 1]")
+    if o.scheduler._target_ is not None and o.warmup_steps:
+        fail("optim.warmup_steps", o.warmup_steps, "optim.scheduler._target_ sets the whole schedule (a warmup "
+             "too: torch.optim.lr_scheduler.SequentialLR)", 0)
+
+
+def lr_scales(o: OptimConfig) -> list[tuple[str, float]]:
+    """optim.lr_scale as (pattern, factor) pairs. Raises ConfigError for an entry that is not `pattern:factor`
+    with a factor > 0."""
+    pairs = []
+    for entry in o.lr_scale:
+        pattern, _, factor = str(entry).rpartition(":")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = None
+        if not pattern or value is None or not value > 0:
+            fail("optim.lr_scale", list(o.lr_scale), f"{entry!r} is not 'pattern:factor' with a factor > 0",
+                 "e.g. ['head.*:0.1', '*norm*:2']")
+        pairs.append((pattern, value))
+    return pairs
 
 
 def pipelined(s: StrategyConfig) -> bool:

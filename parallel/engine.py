@@ -14,7 +14,8 @@ stays in the strategy:
                          and random generators as they were; returns its [summed loss, count, correct]
     clip                 the global gradient norm (over every shard and stage), clipped when max_norm > 0
     metrics              the engine's own figures for a logged step (collective: every rank calls it)
-    make_optimizer       an engine that steps its own weights returns its optimizer (offload); None otherwise
+    make_optimizer       an engine that steps its own weights returns its optimizer (offload), given the
+                         parameters' unpartitioned names for the groups; None otherwise
     wants_next_input     look_ahead(x) is handed the next step's input while this step trains
     kept_tensors         what it keeps between steps besides weights, gradients and optimizer state
                          (receive buffers, a buffer pool), counted by the memory watch
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from parallel.config import Config
 from parallel.loss import Loss
-from parallel.optim import adamw_state, clip_grad_norm
+from parallel.optim import clip_grad_norm, param_state
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -70,7 +71,7 @@ class Engine:
     def metrics(self) -> dict:
         return {}
 
-    def make_optimizer(self) -> torch.optim.Optimizer | None:
+    def make_optimizer(self, names: dict[int, str]) -> torch.optim.Optimizer | None:
         return None
 
     def look_ahead(self, x_next: torch.Tensor) -> None:
@@ -89,20 +90,20 @@ class Engine:
         """This rank's tensors under their unpartitioned names (Note [checkpoint layout]).
 
         Args:
-            optimizer: the run's optimizer (its own parameters' AdamW state is saved).
+            optimizer: the run's optimizer (its own parameters' state is saved, any optimizer's layout).
             canonical: every parameter name -> the name its state is saved under (tied weights: the first).
         Returns (model state, optimizer state, copies): live tensors, so a load fills them in
         place; `copies` pairs a second copy of a tied weight's state on this rank with the first.
         """
         optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        states = param_state(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
         model, optim, copies = {}, {}, []
         for module in self.state_modules():
             model.update(module.state_dict())
             for fqn, p in module.named_parameters():
-                if id(p) not in owned:
+                if p not in states:
                     continue
-                state, name = adamw_state(optimizer, p), canonical[fqn]
+                state, name = states[p], canonical[fqn]
                 if name in optim:
                     copies.append((state, optim[name]))
                 else:

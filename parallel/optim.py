@@ -1,7 +1,28 @@
-"""Optimizer, learning-rate schedule and gradient clipping across every mesh dimension."""
+"""Optimizer, parameter groups and gradient clipping across every mesh dimension.
+
+# Note [optimizer]
+`optim._target_` names any torch.optim.Optimizer class (None: AdamW). It is
+built as `cls(groups, lr=optim.lr, weight_decay=optim.weight_decay, **args)`,
+plus `betas` and `eps` from optim.* when its constructor takes them: lr,
+weight decay, betas and eps always come from their own keys (giving one of
+them in `optim.args` is an error), everything else from `optim.args`. A class
+without a `weight_decay` argument needs optim.weight_decay=0. The class and
+its arguments are checked against its signature, and built once on a dummy
+parameter, before any worker starts.
+
+Parameter groups are made from the unpartitioned parameter names (under FSDP,
+tensor and pipeline parallelism each piece is looked up by the name of the
+tensor it is a piece of; a tied weight by its first name): `optim.no_decay`
+sets weight_decay 0, `optim.lr_scale` multiplies lr. Parameters with the same
+(decay, scale) share one group, in model order; without either key there is
+one group, as before. ZeRO-1's ZeroRedundancyOptimizer takes the class and
+the groups and shards each group's state over data-parallel ranks.
+"""
 from __future__ import annotations
 
-import math
+import fnmatch
+import importlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -9,52 +30,147 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from parallel.config import Config
+from parallel.config import Config, OptimConfig, fail, lr_scales
 
 
-def build_optimizer(model: nn.Module, cfg: Config, dp_group=None) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; with strategy.zero=1 its state is sharded over dp.
+def optimizer_class(o: OptimConfig) -> type:
+    """The optimizer class `optim._target_` names (AdamW when unset). Raises ConfigError."""
+    if o._target_ is None:
+        return torch.optim.AdamW
+    mod_name, _, attr = o._target_.rpartition(".")
+    cls = None
+    try:
+        cls = getattr(importlib.import_module(mod_name), attr) if mod_name else None
+    except (ImportError, AttributeError) as e:
+        fail("optim._target_", o._target_, f"cannot be imported ({type(e).__name__}: {e})")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        fail("optim._target_", o._target_, "must name a torch.optim.Optimizer subclass ('package.module.Class')",
+             "e.g. torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW")
+    return cls
+
+
+def optimizer_kwargs(o: OptimConfig, cls: type) -> dict:
+    """The keyword arguments `cls` is built with (Note [optimizer]). Raises ConfigError."""
+    takes = inspect.signature(cls.__init__).parameters
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+    for key in ("lr", "weight_decay", "betas", "eps"):
+        if key in o.args:
+            fail(f"optim.args.{key}", o.args[key], f"set optim.{key} instead (it is passed to the class itself)")
+    kwargs = {"lr": o.lr}
+    if "weight_decay" in takes or anything:
+        kwargs["weight_decay"] = o.weight_decay
+    elif o.weight_decay:
+        fail("optim.weight_decay", o.weight_decay, f"{cls.__name__} takes no weight_decay", 0)
+    for key, value in (("betas", tuple(o.betas)), ("eps", o.eps)):
+        if key in takes:
+            kwargs[key] = value
+    unknown = sorted(k for k in o.args if k not in takes) if not anything else []
+    if unknown:
+        options = sorted(k for k in takes if k not in ("self", "params", *kwargs))
+        fail("optim.args", dict(o.args), f"{cls.__name__} takes no argument {unknown}", options)
+    return kwargs | dict(o.args)
+
+
+def check_optimizer(cfg: Config, model: nn.Module) -> None:
+    """Before workers start: the class, its arguments (built once on a dummy parameter), and the name
+    patterns of optim.no_decay and optim.lr_scale (each matches a trainable parameter of `model`)."""
+    o = cfg.optim
+    cls = optimizer_class(o)
+    kwargs = optimizer_kwargs(o, cls)
+    try:
+        cls([nn.Parameter(torch.zeros(1))], **kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        fail("optim.args", dict(o.args), f"{cls.__name__} refused them: {type(e).__name__}: {e}")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for key, patterns in (("optim.no_decay", list(o.no_decay)), ("optim.lr_scale", [p for p, _ in lr_scales(o)])):
+        unused = [pat for pat in patterns if not any(matches(n, pat) for n in names)]
+        if unused:
+            fail(key, patterns, f"{unused} match no trainable parameter of {type(model).__name__}",
+                 f"patterns over its parameter names, e.g. {names[:3]}")
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether `pattern` (`*` wildcards) matches parameter `name` whole or its end after a dot."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def param_groups(params: list[nn.Parameter], names: dict[int, str], o: OptimConfig, decay: bool = True) -> list:
+    """The optimizer's groups over `params` (model order): one per (weight decay, lr scale), Note [optimizer].
+
+    Args:
+        params: the trainable parameters this rank holds, each once.
+        names: id(parameter) -> its unpartitioned name.
+        decay: whether the class takes weight_decay (else groups carry no such key).
+    """
+    groups: dict[tuple, dict] = {}
+    scales = lr_scales(o)
+    for p in params:
+        name = names.get(id(p), "")
+        no_decay = any(matches(name, pat) for pat in o.no_decay)
+        scale = next((f for pat, f in scales if matches(name, pat)), 1.0)
+        group = groups.setdefault((no_decay, scale), {"params": []})
+        group["params"].append(p)
+        if scale != 1.0:
+            group["lr"] = o.lr * scale
+        if decay and no_decay:
+            group["weight_decay"] = 0.0
+    return list(groups.values())
+
+
+def param_names(modules: list[nn.Module], canonical: dict[str, str]) -> dict[int, str]:
+    """id(parameter) -> the unpartitioned name it is saved under, for every parameter of `modules` (an
+    engine's state modules, whose names are the original ones)."""
+    return {id(p): canonical.get(fqn, fqn) for m in modules for fqn, p in m.named_parameters()}
+
+
+def build_optimizer(model: nn.Module, names: dict[int, str], cfg: Config, dp_group=None) -> torch.optim.Optimizer:
+    """The configured optimizer over the trainable parameters; with strategy.zero=1 its state is sharded over dp.
 
     Args:
         model: the parallelized model.
+        names: id(parameter) -> unpartitioned name (`param_names`), for the groups.
         cfg: the run config (optim.*, strategy.zero).
         dp_group: the data-parallel process group (for zero=1).
     """
     o = cfg.optim
+    cls = optimizer_class(o)
+    kwargs = optimizer_kwargs(o, cls)
     params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    groups = param_groups(params, names, o, decay="weight_decay" in kwargs)
     if cfg.strategy.name == "data" and cfg.strategy.zero == 1:
-        # ZeRO stage 1: each rank keeps AdamW state for its share of the
+        # ZeRO stage 1: each rank keeps the state for its share of the
         # parameters, steps them, and broadcasts the updated values.
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
-                                       process_group=dp_group, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=dp_group, **kwargs)
+    return cls(groups, **kwargs)
 
 
-def adamw_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict:
-    """AdamW's state of `p`, made now (zeros) when the first step has not made it yet, as AdamW makes it
-    (not fused, not capturable): a checkpoint load fills it in place, and AdamW then takes it as its own."""
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
+@torch.no_grad()
+def param_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict:
+    """{parameter: its optimizer state's tensors}, the state made now where the first step has not made it
+    yet: a checkpoint load fills these tensors in place, and the optimizer then takes them as its own.
 
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over optim.warmup_steps, then cosine decay to lr * min_lr_ratio (or constant)."""
-    o, steps = cfg.optim, cfg.trainer.steps
-
-    def factor(step: int) -> float:  # `step` counts optimizer steps taken so far
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
-            return 1.0
-        progress = (step - o.warmup_steps) / max(1, steps - o.warmup_steps)
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    The state is made as torch.distributed.checkpoint's helpers make it: one step
+    with zero gradients at lr 0 (and weight decay 0), so any optimizer makes its
+    own layout (AdamW: step, exp_avg, exp_avg_sq; SGD with momentum:
+    momentum_buffer; SGD without: nothing) without moving a weight.
+    """
+    missing = [p for p in params if not optimizer.state.get(p)]
+    if missing:
+        saved = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in optimizer.param_groups]
+        grads = {p: p.grad for g in optimizer.param_groups for p in g["params"]}
+        for g in optimizer.param_groups:
+            g.update({k: 0.0 for k in ("lr", "weight_decay") if k in g})
+            for p in g["params"]:
+                p.grad = None
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for g, values in zip(optimizer.param_groups, saved):
+            g.update(values)
+        for p, grad in grads.items():
+            p.grad = grad
+    return {p: {k: v for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)} for p in params}
 
 
 @torch.no_grad()
@@ -114,3 +230,27 @@ def all_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
+
+
+def state_shapes(cfg: Config, model: nn.Module) -> dict[str, dict[str, tuple]] | None:
+    """{parameter name: {state key: shape}} of the configured optimizer over `model` (on the meta device), the
+    state `param_state` makes; None when the optimizer cannot step on meta tensors (a user class)."""
+    cls = optimizer_class(cfg.optim)
+    kwargs = optimizer_kwargs(cfg.optim, cls)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = {id(p): n for n, p in named}
+    try:
+        optimizer = cls(param_groups([p for _, p in named], names, cfg.optim, "weight_decay" in kwargs), **kwargs)
+        states = param_state(optimizer, [p for _, p in named])
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return None
+    return {n: {k: tuple(v.shape) for k, v in states[p].items()} for n, p in named}
+
+
+def state_per_weight(cfg: Config) -> float:
+    """How many weights' worth of state the configured optimizer keeps per weight (AdamW 2, SGD with momentum
+    1, without 0), from the state it makes for a small real parameter."""
+    cls = optimizer_class(cfg.optim)
+    p = nn.Parameter(torch.zeros(8, 8))
+    state = param_state(cls([p], **optimizer_kwargs(cfg.optim, cls)), [p])[p]
+    return sum(v.numel() for v in state.values() if v.dim() > 0) / p.numel()

@@ -24,10 +24,11 @@ from parallel.data import DataSource, build_data, build_eval_data
 from parallel.dims import ParallelDims
 from parallel.engine import Engine
 from parallel.init import ByName, InitPlan, init_plan
+from parallel.lr_schedule import build_scheduler
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss
 from parallel.models import weights
 from parallel.models.build import build_meta_model
-from parallel.optim import all_sum, build_optimizer, build_scheduler
+from parallel.optim import all_sum, build_optimizer, param_names
 from parallel.runtime import Runtime
 from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
@@ -82,7 +83,8 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
             weights.initial_values(cfg.model, cfg.trainer.seed, run_dir, model, plan)
         runtime = dataclasses.replace(runtime, values=values)
     engine = parallelize(model, mesh, cfg, runtime, plan)
-    optimizer = engine.make_optimizer() or build_optimizer(engine.model, cfg, mesh["dp"].get_group())
+    names = param_names(engine.state_modules(), {name: entry.canonical for name, entry in plan.items()})
+    optimizer = engine.make_optimizer(names) or build_optimizer(engine.model, names, cfg, mesh["dp"].get_group())
     dp_rank = mesh["dp"].get_local_rank()
     if data is None:
         data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
@@ -213,7 +215,7 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
     loss_value = all_sum(loss, run.engine.loss_group).item()
     step_time, data_time = window.take()
     record = {
-        "step": step, "loss": loss_value, "lr": run.scheduler.get_last_lr()[0],
+        "step": step, "loss": loss_value, "lr": scheduled_lr(run),
         "grad_norm": float(norm), "step_time_s": step_time,
         "data_time_s": data_time,
         "samples_per_s": t.batch_size / step_time,
@@ -227,6 +229,12 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
         log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s", step, loss_value,
                  record["grad_norm"], record["samples_per_s"])
     return record
+
+
+def scheduled_lr(run: Run) -> float:
+    """The learning rate of optim.lr's groups now (those optim.lr_scale leaves alone; else the first group)."""
+    lrs, base = run.scheduler.get_last_lr(), run.scheduler.base_lrs
+    return next((lr for lr, b in zip(lrs, base) if b == run.cfg.optim.lr), lrs[0])
 
 
 class _Window:

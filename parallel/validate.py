@@ -15,10 +15,12 @@ from parallel.config import Config, check_optim, check_trainer, fail, pipelined,
 from parallel.data import check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
 from parallel.loss import check_loss, check_loss_config
+from parallel.lr_schedule import check_schedule
 from parallel.memory.budget import check_memory
 from parallel.models.build import build_meta_model, check_model, check_model_takes_data
 from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
+from parallel.optim import check_optimizer
 from parallel.strategies import check_strategy
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
 from parallel.strategies.tensor import check_plan, check_tensor_keys
@@ -68,15 +70,17 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.nproc is not None:
         positive("nproc", cfg.nproc)
     check_optim(cfg.optim)
-    check_data(cfg.data, cfg.trainer.batch_size)
+    check_schedule(cfg)
+    check_data(cfg.data, cfg.trainer.batch_size, cfg.trainer.eval_every)
     check_loss_config(cfg.loss)
     if cfg.trainer.eval_every and not has_eval_data(cfg.data):
         fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",
-             ["0 (no evaluation)", "data=synthetic (a held-out stream)"])
+             ["0 (no evaluation)", "data=synthetic (a held-out stream)", "data=custom with data.eval"])
     check_memory(cfg.memory)
     s = cfg.strategy
     if s.name == "auto":  # each candidate is validated as it is tried (parallel.auto)
         check_model(cfg.model)
+        check_optimizer(cfg, build_meta_model(cfg.model))
         return
     # 2. The strategy's keys, by name first (a plain strategy may reject a degree while resolving), then the
     #    degrees derived from the world size, then the keys that depend on them.
@@ -86,10 +90,11 @@ def validate(cfg: Config, world_size: int) -> None:
     per_rank = _check_batch(cfg)
     if pipelined(s):
         check_pipeline(cfg, per_rank)
-    # 3. The model, then what needs it: the offload disk's room, BatchNorm layers to sync, a checkpoint to
-    #    resume, the tensor plan, the pipeline split, the data's shapes through the model, and the loss on
-    #    real outputs of the model's shape.
+    # 3. The model, then what needs it: the optimizer's name patterns, the offload disk's room, BatchNorm
+    #    layers to sync, a checkpoint to resume, the tensor plan, the pipeline split, the data's shapes through
+    #    the model, and the loss on real outputs of the model's shape.
     check_model(cfg.model)
+    check_optimizer(cfg, build_meta_model(cfg.model))
     check_weights(cfg.model, build_meta_model(cfg.model))
     if s.name == "offload" and s.path is not None:
         check_offload_disk(cfg, build_meta_model(cfg.model))

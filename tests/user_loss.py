@@ -32,8 +32,8 @@ class PaddedLM(Dataset):
         return self.x[i], self.y[i]
 
 
-def padded_lm(n: int = 32, seq_len: int = 16, vocab_size: int = 64) -> PaddedLM:
-    return PaddedLM(n, seq_len, vocab_size)
+def padded_lm(n: int = 32, seq_len: int = 16, vocab_size: int = 64, seed: int = 3) -> PaddedLM:
+    return PaddedLM(n, seq_len, vocab_size, seed)
 
 
 def token_sum(out, target):

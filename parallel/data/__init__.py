@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from parallel.config import TASKS, DataConfig, fail, positive
-from parallel.data.custom import MapData, check_custom, read_custom_hints
+from parallel.data.custom import IterData, MapData, build_custom_eval, check_custom, read_custom_hints
 from parallel.data.shards import ShardData, check_shards
 from parallel.data.shards import read_hints as read_shard_hints
 from parallel.data.synthetic import SyntheticData
@@ -28,7 +28,8 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp
     if cfg.name == "shards":
         return ShardData(cfg, seed, batch_size, dp_rank, dp_size)
     if cfg.name == "custom":
-        return MapData(cfg, seed, batch_size, dp_rank, dp_size)
+        source = IterData if cfg.spec.get("iterable") else MapData
+        return source(cfg, seed, batch_size, dp_rank, dp_size)
     return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size)
 
 
@@ -36,18 +37,22 @@ def build_eval_data(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 
                     dp_size: int = 1) -> DataSource | None:
     """The eval data (Note [evaluation] in parallel/evaluation.py), or None when the configuration has none.
 
-    Its `batch(i, device)`, i = 1, 2, ..., is this rank's slice of eval batch i (a fixed order, whatever the
-    training step or the world size); `num_batches` is how many there are (None: unbounded). Synthetic data
-    holds out a stream of its own (batch i seeded by "data.eval.<i>"); data=shards has none.
+    Its `batch(i, device)`, i = 1, 2, ..., is this rank's slice of global eval batch i (a fixed order, the
+    same on any world size and whatever the training step); `num_batches` is how many there are (None:
+    unbounded). Synthetic data holds out a stream of its own (batch i seeded by "data.eval.<i>"); data=custom
+    reads data.eval or data.eval_fraction (parallel/data/custom/evaluation.py); data=shards has none.
     """
     if cfg.name == "synthetic":
         return SyntheticData(cfg, seed, batch_size, dp_rank, dp_size, stream="data.eval.")
+    if cfg.name == "custom":
+        return build_custom_eval(cfg, seed, batch_size, dp_rank, dp_size)
     return None
 
 
 def has_eval_data(cfg: DataConfig) -> bool:
     """Whether `build_eval_data` gives eval data for this configuration (checked before workers start)."""
-    return cfg.name == "synthetic"
+    custom = cfg.name == "custom" and bool(cfg.eval_fraction or (cfg.eval or {}).get("_target_"))
+    return cfg.name == "synthetic" or custom
 
 
 def example_target(d: DataConfig, batch: int = 2) -> torch.Tensor:
@@ -112,14 +117,15 @@ def read_hints(d) -> dict:
     return {}
 
 
-def check_data(d: DataConfig, batch_size: int) -> None:
-    """The data group's settings (and, for data=shards, the dataset's files; for data=custom, its size)."""
+def check_data(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
+    """The data group's settings (and, for data=shards, the dataset's files; for data=custom, its size and
+    evaluation data)."""
     if d.name not in SOURCES:
         fail("data.name", d.name, "unknown data source", list(SOURCES))
     if d.name == "shards":
         check_shards(d)
     if d.name == "custom":
-        check_custom(d, batch_size)
+        check_custom(d, batch_size, eval_every)
     elif d.eval_fraction or (d.eval or {}).get("_target_"):
         fail("data.eval_fraction" if d.eval_fraction else "data.eval", d.eval_fraction or dict(d.eval),
              "evaluation datasets are for data=custom")
@@ -138,9 +144,5 @@ def check_data(d: DataConfig, batch_size: int) -> None:
         fail("data.noise", d.noise, "must be >= 0")
 
 
-__all__ = ["DataSource", "ShardData", "SyntheticData", "build_data", "build_eval_data", "check_data",
-           "example_input", "example_target", "has_eval_data"]
-
-
-__all__ = ["DataSource", "MapData", "ShardData", "SyntheticData", "build_data", "check_data", "example_input",
-           "planned_data", "read_hints"]
+__all__ = ["DataSource", "IterData", "MapData", "ShardData", "SyntheticData", "build_data", "build_eval_data",
+           "check_data", "example_input", "example_target", "has_eval_data", "planned_data", "read_hints"]

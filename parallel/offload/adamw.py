@@ -1,11 +1,15 @@
-"""The offload engine's optimizer step: AdamW block by block, on weights, gradients and state streamed from the
-tiers (Note [offload engine] in parallel.offload.engine).
+"""The offload engine's optimizer step: AdamW or SGD block by block, on weights, gradients and state streamed
+from the tiers (Note [offload engine] in parallel.offload.engine).
 
 A block's gradients are handed off as soon as they are complete (`grads_done`):
 without clipping its step runs at once on a host thread, overlapping the rest
 of backward; with clipping they wait on the optimizer tier for the global norm
 and `step` streams every block through after backward. The update is AdamW's
-own functional form, so every number matches `strategy=single`.
+own functional form (or SGD's: momentum, dampening, nesterov, weight decay), one
+call per parameter group (optim.no_decay, optim.lr_scale), so every number
+matches `strategy=single`. The state keeps torch's own names (AdamW: step,
+exp_avg, exp_avg_sq; SGD: momentum_buffer when momentum != 0), so checkpoints
+move between offload and every other strategy.
 """
 from __future__ import annotations
 
@@ -14,12 +18,25 @@ from concurrent.futures import Executor
 import torch
 from torch import nn
 from torch.optim.adamw import adamw
+from torch.optim.sgd import sgd
 
-from parallel.config import Config
+from parallel.config import Config, OptimConfig
 from parallel.offload.layout import Block, Layout, Slot
 from parallel.offload.pool import BufferPool
 from parallel.offload.stream import WeightStream
 from parallel.offload.tiers import finish
+from parallel.optim import optimizer_class, optimizer_kwargs, param_groups
+
+# The classes the offload step implements, and the optim.args each takes (besides lr and weight decay).
+SUPPORTED = {torch.optim.AdamW: (), torch.optim.SGD: ("momentum", "dampening", "nesterov")}
+
+
+def state_keys(o: OptimConfig) -> tuple[str, ...]:
+    """The per-parameter state tensors of the configured optimizer as torch names them (besides AdamW's step);
+    on the optimizer tier they are a block's `m` and `v`."""
+    if optimizer_class(o) is torch.optim.SGD:
+        return ("momentum_buffer",) if o.args.get("momentum", 0) else ()
+    return ("exp_avg", "exp_avg_sq")
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
@@ -28,12 +45,12 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([grad], 2.0, foreach=True)
 
 
-class OffloadOptimizer(torch.optim.AdamW):
-    """AdamW whose `step` streams blocks through the engine; its param groups carry the
+class OffloadOptimizer(torch.optim.Optimizer):
+    """The optimizer whose `step` streams blocks through the engine; its param groups carry the
     learning rate the scheduler sets. The state lives with `BlockAdamW`, not in `self.state`."""
 
-    def __init__(self, block_adamw: "BlockAdamW", params, **kwargs):
-        super().__init__(params, **kwargs)
+    def __init__(self, block_adamw: "BlockAdamW", groups, **kwargs):
+        super().__init__(groups, kwargs)
         self.block_adamw = block_adamw
 
     @torch.no_grad()
@@ -46,7 +63,7 @@ class OffloadOptimizer(torch.optim.AdamW):
 
 
 class BlockAdamW:
-    """AdamW's state and step for every offloaded and resident parameter.
+    """The optimizer's state and step (AdamW or SGD) for every offloaded and resident parameter.
 
     Args:
         cfg: the run config (optim, trainer.clip_grad_norm).
@@ -61,24 +78,34 @@ class BlockAdamW:
     def __init__(self, cfg: Config, layout: Layout, stream: WeightStream, tier, pool: BufferPool,
                  stepper: Executor, device: torch.device):
         self.optim_cfg, self.clip_norm = cfg.optim, cfg.trainer.clip_grad_norm
+        self.cls = optimizer_class(cfg.optim)
+        self.kwargs = optimizer_kwargs(cfg.optim, self.cls)
+        self.keys = state_keys(cfg.optim)
         self.params, self.blocks, self.resident = layout.params, layout.blocks, layout.resident
         self.stream, self.tier, self.pool, self.stepper, self.device = stream, tier, pool, stepper, device
         self.last_step = None  # the block step in flight (without clipping)
         # AdamW's step counters, made as torch.optim.AdamW makes them (the planner's fake tensors can read
         # a value made this way)
         self.steps = {p: torch.tensor(0.0, dtype=torch.float32) for p in self.params}
-        self.state_in_memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (exp_avg, exp_avg_sq)
+        self.started: set[nn.Parameter] = set()  # SGD: parameters whose momentum buffer exists
+        self.state_in_memory: dict[int, list[torch.Tensor]] = {}  # block -> its state tensors (`keys`)
         self.grads_in_memory: dict[int, torch.Tensor] = {}  # block -> gradients waiting for the step
-        self.resident_state: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.resident_state: dict[nn.Parameter, list[torch.Tensor]] = {}
+        self.group_of: dict[nn.Parameter, int] = {}
         self.norms: dict[nn.Parameter, torch.Tensor] = {}
         self.coef: torch.Tensor | None = None
         self.optimizer: OffloadOptimizer | None = None
 
-    def make_optimizer(self) -> OffloadOptimizer:
-        o = self.optim_cfg
-        self.optimizer = OffloadOptimizer(self, self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                          weight_decay=o.weight_decay)
+    def make_optimizer(self, names: dict[int, str]) -> OffloadOptimizer:
+        """The optimizer the trainer and the scheduler see, its groups made from the parameters' `names`."""
+        groups = param_groups(self.params, names, self.optim_cfg)
+        self.optimizer = OffloadOptimizer(self, groups, **self.kwargs)
+        self.group_of = {p: i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         return self.optimizer
+
+    def hyper(self) -> list[dict]:
+        """Every group's settings now (lr as the scheduler set it), for a step that may run later."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
     def start_step(self) -> None:
         self.norms, self.coef = {}, None
@@ -117,8 +144,7 @@ class BlockAdamW:
             self.stream.unbind(b)
         if self.last_step is not None:
             finish(self.last_step)  # one step in flight at a time bounds the buffers it holds
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.last_step = self.stepper.submit(self._step_block, b, slots, params, grads, None, lr)
+        self.last_step = self.stepper.submit(self._step_block, b, slots, params, grads, None, self.hyper())
 
     def _keep_grads(self, b: Block, grads: torch.Tensor) -> None:
         """With clipping: `b`'s gradients wait for the global norm on the optimizer tier (or the device)."""
@@ -132,64 +158,81 @@ class BlockAdamW:
             finish(w)
             self.pool.give(grads)
 
-    def states(self, b: Block) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """AdamW's two moments for `b`: (exp_avg, exp_avg_sq, from the pool)."""
+    def states(self, b: Block) -> tuple[list[torch.Tensor], bool]:
+        """The state tensors (`keys`) of `b`: (flat buffers, whether they come from the pool)."""
         if self.tier is None:
             if b.index not in self.state_in_memory:
-                self.state_in_memory[b.index] = (torch.zeros(b.nbytes, dtype=torch.uint8, device=self.device),
-                                                 torch.zeros(b.nbytes, dtype=torch.uint8, device=self.device))
-            m, v = self.state_in_memory[b.index]
-            return m, v, False
-        m, v = self.pool.take(), self.pool.take()
-        if b.state_ready:
-            finish(self.tier.read(b.key("m"), m[:b.nbytes]))
-            finish(self.tier.read(b.key("v"), v[:b.nbytes]))
-        else:
-            m.zero_()
-            v.zero_()
-        return m, v, True
+                self.state_in_memory[b.index] = [torch.zeros(b.nbytes, dtype=torch.uint8, device=self.device)
+                                                  for _ in self.keys]
+            return self.state_in_memory[b.index], False
+        bufs = [self.pool.take() for _ in self.keys]
+        for kind, buf in zip("mv", bufs):
+            if b.state_ready:
+                finish(self.tier.read(b.key(kind), buf[:b.nbytes]))
+            else:
+                buf.zero_()
+        return bufs, True
 
-    def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, steps, lr: float) -> None:
-        o = self.optim_cfg
-        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False, beta1=o.betas[0],
-              beta2=o.betas[1], lr=lr, weight_decay=o.weight_decay, eps=o.eps, maximize=False)
+    def _update(self, params: list[nn.Parameter], weights: list[torch.Tensor], grads: list[torch.Tensor],
+                states: list[list[torch.Tensor]], hyper: list[dict]) -> None:
+        """The optimizer's functional step on `weights` (the storage of `params`), one call per group."""
+        by_group: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            by_group.setdefault(self.group_of[p], []).append(i)
+        for g, idx in by_group.items():
+            h = hyper[g]
+            w, gs, st = [weights[i] for i in idx], [grads[i] for i in idx], [states[i] for i in idx]
+            ps = [params[i] for i in idx]
+            if self.cls is torch.optim.AdamW:
+                adamw(w, gs, [s[0] for s in st], [s[1] for s in st], [], [self.steps[p] for p in ps], foreach=False,
+                      amsgrad=False, beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
+                      eps=h["eps"], maximize=False)
+                continue
+            # SGD starts its momentum buffer as a copy of the first gradient: it is handed None then, and what
+            # it made is kept in the buffer's home.
+            bufs = [s[0] if s and p in self.started else None for s, p in zip(st, ps)]
+            sgd(w, gs, bufs, foreach=False, weight_decay=h["weight_decay"], momentum=h.get("momentum", 0),
+                lr=h["lr"], dampening=h.get("dampening", 0), nesterov=h.get("nesterov", False), maximize=False)
+            for s, buf, p in zip(st, bufs, ps):
+                if s and buf is not s[0]:
+                    s[0].copy_(buf)
+                self.started.add(p)
 
     @torch.no_grad()
     def _step_block(self, b: Block, slots: list[Slot], params: torch.Tensor | None, grads: torch.Tensor,
-                    coef: torch.Tensor | None, lr: float) -> None:
-        """AdamW on block `b` (weights in `params`, or read here), then everything written back."""
+                    coef: torch.Tensor | None, hyper: list[dict]) -> None:
+        """The step of block `b` (weights in `params`, or read here), then everything written back."""
         streaming, tier_w = self.stream.streaming, self.stream.tier
         if params is None and streaming:
             params = self.pool.take()
             finish(tier_w.read(b.key(), params[:b.nbytes]))
         elif params is None:
             params = b.buffer
-        m, v, pooled = self.states(b)
+        bufs, pooled = self.states(b)
         gs = [s.view(grads) for s in slots]
         if coef is not None:
             for g in gs:
                 g.mul_(coef)
-        self._adamw([s.view(params) for s in slots], gs, [s.view(m) for s in slots], [s.view(v) for s in slots],
-                    [self.steps[s.param] for s in slots], lr)
+        self._update([s.param for s in slots], [s.view(params) for s in slots], gs,
+                     [[s.view(buf) for buf in bufs] for s in slots], hyper)
         writes = []
         if streaming:
             writes.append(tier_w.write(b.key(), params[:b.nbytes]))
         if pooled:
-            writes += [self.tier.write(b.key("m"), m[:b.nbytes]), self.tier.write(b.key("v"), v[:b.nbytes])]
+            writes += [self.tier.write(b.key(kind), buf[:b.nbytes]) for kind, buf in zip("mv", bufs)]
             b.state_ready = True
         for w in writes:
             finish(w)
         if streaming:
             self.pool.give(params)
-        if pooled:
-            self.pool.give(m)
-            self.pool.give(v)
+        for buf in bufs if pooled else []:
+            self.pool.give(buf)
         self.pool.give(grads)
 
     @torch.no_grad()
     def step(self) -> None:
         """The optimizer step of what backward left: every block when clipping, and the resident weights."""
-        lr = self.optimizer.param_groups[0]["lr"]
+        hyper = self.hyper()
         self.wait()
         if self.clip_norm > 0:
             for b in self.blocks:
@@ -202,16 +245,15 @@ class BlockAdamW:
                     finish(b.grads_write)  # a file being written reads short
                     grads = self.pool.take()
                     finish(self.tier.read(b.key("g"), grads[:b.nbytes]))
-                self._step_block(b, slots, None, grads, self.coef, lr)
+                self._step_block(b, slots, None, grads, self.coef, hyper)
                 b.grad_slots = []
         live = [p for p in self.resident if p.grad is not None]
         if live:
             if self.coef is not None:
                 for p in live:
                     p.grad.mul_(self.coef)
-            states = [self.resident_state.setdefault(p, (torch.zeros_like(p), torch.zeros_like(p))) for p in live]
-            self._adamw(live, [p.grad for p in live], [s[0] for s in states], [s[1] for s in states],
-                        [self.steps[p] for p in live], lr)
+            states = [self.resident_state.setdefault(p, [torch.zeros_like(p) for _ in self.keys]) for p in live]
+            self._update(live, live, [p.grad for p in live], states, hyper)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (every parameter's, in model order); sets the clip factor the step applies."""
@@ -224,10 +266,10 @@ class BlockAdamW:
         return total
 
     def tensors(self) -> list[torch.Tensor]:
-        """Device tensors of the step kept between steps: gradients waiting for it, AdamW state on the device."""
+        """Device tensors of the step kept between steps: gradients waiting for it, its state on the device."""
         out = list(self.grads_in_memory.values())
-        for pair in self.state_in_memory.values():
-            out += list(pair)
-        for pair in self.resident_state.values():
-            out += list(pair)
+        for bufs in self.state_in_memory.values():
+            out += list(bufs)
+        for bufs in self.resident_state.values():
+            out += list(bufs)
         return out

@@ -1,12 +1,14 @@
 """strategy=offload's settings, checked before any worker starts: tiers, prefetch, one process, and room on
-the disk tier for the weights, gradients and AdamW state."""
+the disk tier for the weights, gradients and optimizer state, and an optimizer the engine implements."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from parallel.config import Config, cuda_run, fail
+from parallel.offload.adamw import SUPPORTED, state_keys
 from parallel.offload.tiers import TIERS, check_disk, effective
+from parallel.optim import optimizer_class
 
 
 def check_offload(cfg: Config, world_size: int) -> None:
@@ -27,6 +29,7 @@ def check_offload(cfg: Config, world_size: int) -> None:
         fail("trainer.grad_accum", cfg.trainer.grad_accum, "must be 1 under strategy=offload: each block's "
              "gradients leave the device as soon as they are complete",
              "a smaller trainer.batch_size, or strategy.activations=disk or checkpoint to fit a larger one")
+    check_offload_optimizer(cfg)
     cuda = cuda_run(cfg.trainer.device)
     device = torch.device("cuda" if cuda else "cpu")
     for kind in ("params", "optimizer"):
@@ -35,15 +38,30 @@ def check_offload(cfg: Config, world_size: int) -> None:
                  "pinned CPU memory", ["cpu", "auto", "device"])
 
 
+def check_offload_optimizer(cfg: Config) -> None:
+    """The offload engine steps its own optimizer (parallel.offload.adamw): AdamW or SGD, and of their
+    arguments those it implements."""
+    o = cfg.optim
+    cls = optimizer_class(o)
+    if cls not in SUPPORTED:
+        fail("optim._target_", o._target_, f"strategy=offload steps the optimizer itself, block by block, and "
+             f"implements AdamW and SGD, not {o._target_}",
+             [f"torch.optim.{c.__name__}" for c in SUPPORTED])
+    unknown = sorted(set(o.args) - set(SUPPORTED[cls]))
+    if unknown:
+        fail("optim.args", dict(o.args), f"strategy=offload implements {cls.__name__} with {unknown} at their "
+             "defaults only", list(SUPPORTED[cls]))
+
+
 def check_offload_disk(cfg: Config, model: nn.Module) -> None:
-    """strategy.path is writable and has room for the weights, gradients and AdamW state of `model` (on meta).
+    """strategy.path is writable and has room for the weights, gradients and optimizer state of `model` (on meta).
 
     (Checked again, for the run directory, when the engine is built.)"""
     s = cfg.strategy
     device = torch.device("cuda" if cuda_run(cfg.trainer.device) else "cpu")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     needed = (weights if effective(s.params, device) == "disk" else 0) + \
-        (3 * weights if effective(s.optimizer, device) == "disk" else 0)
+        ((len(state_keys(cfg.optim)) + 1) * weights if effective(s.optimizer, device) == "disk" else 0)
     why = check_disk(s.path, max(needed, 1))
     if why:
         fail("strategy.path", s.path, why)

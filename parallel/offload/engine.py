@@ -14,8 +14,8 @@ params tier; every parameter object stays the same for the whole run, and its
             `prefetch` blocks before it (and their saved activations). When
             every trainable parameter of the block has its gradient
             (post-accumulate-grad hooks), the gradients leave the device:
-            - without clipping (trainer.clip_grad_norm=0) the block's AdamW
-              step runs right then on a host thread, overlapping the rest of
+            - without clipping (trainer.clip_grad_norm=0) the block's
+              optimizer step runs right then on a host thread, overlapping the rest of
               backward, and writes the new weights and state back;
             - with clipping, the step needs the global norm first: gradients
               go to the optimizer tier, and `OffloadOptimizer.step` streams
@@ -28,8 +28,8 @@ params tier; every parameter object stays the same for the whole run, and its
 Saved tensors that are views of a bound buffer are rebuilt from the block's
 buffer at unpack; other saved tensors go to the activations tier or stay
 (parallel.offload.saved). Parameters held by several blocks (tied weights) and
-those outside every block stay resident. The step is AdamW's own functional
-form, so every number matches `strategy=single`.
+those outside every block stay resident. The step is AdamW's or SGD's own
+functional form, per parameter group, so every number matches `strategy=single`.
 
 Each part is a small object the engine owns; a module imports only those
 listed above it (and tiers.py, activations.py below them all):
@@ -37,7 +37,8 @@ listed above it (and tiers.py, activations.py below them all):
     pool.py       BufferPool: the device buffers, all allocated at the start
     layout.py     Slot, Block, Layout: real parameters, blocks, their flat buffers' slots
     stream.py     WeightStream: a block's weights read from the params tier, bound, let go
-    adamw.py      BlockAdamW, OffloadOptimizer: the gradients' hand-off, the per-block step, the norm
+    adamw.py      BlockAdamW, OffloadOptimizer: the gradients' hand-off, the per-block step (AdamW or SGD),
+                  the norm
     lookahead.py  FrozenLookahead: a frozen leading part one batch ahead (Note [frozen lookahead])
     saved.py      SavedTensors: the saved-tensors hooks
     hooks.py      BlockHooks: forward, backward and gradient hooks
@@ -62,7 +63,7 @@ from parallel.init import InitPlan
 from parallel.loss import Loss, build_loss
 from parallel.metrics import log
 from parallel.offload.activations import ActivationStore
-from parallel.offload.adamw import BlockAdamW, OffloadOptimizer
+from parallel.offload.adamw import BlockAdamW, OffloadOptimizer, state_keys
 from parallel.offload.hooks import BlockHooks
 from parallel.offload.layout import Layout
 from parallel.offload.lookahead import THREAD, FrozenLookahead, frozen_prefix, splits_forward
@@ -162,7 +163,7 @@ class OffloadEngine(Engine):
         if self.tier_names["params"] == "disk":
             need += total
         if self.tier_names["optimizer"] == "disk":
-            need += 3 * total  # two AdamW moments, and the gradients when clipping
+            need += (len(state_keys(self.cfg.optim)) + 1) * total  # the state (AdamW: two moments), gradients
         return need
 
     def _make_tiers(self, io: OffloadIO) -> None:
@@ -191,8 +192,8 @@ class OffloadEngine(Engine):
 
     # ---- the engine interface -------------------------------------------------------------------------
 
-    def make_optimizer(self) -> OffloadOptimizer:
-        return self.adamw.make_optimizer()
+    def make_optimizer(self, names: dict[int, str]) -> OffloadOptimizer:
+        return self.adamw.make_optimizer(names)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.steps_run += 1
@@ -263,14 +264,14 @@ class OffloadEngine(Engine):
         return self.state.full_state_dict()
 
     def checkpoint_state(self, optimizer, canonical: dict[str, str]):
-        """(weights and buffers, AdamW state, no copies) under the original names, as CPU copies read from the
-        tiers (the state the first step has not made yet is zeros, as AdamW starts it); the engine keeps its
+        """(weights and buffers, optimizer state, no copies) under the original names, as CPU copies read from
+        the tiers (the state the first step has not made yet is zeros); the engine keeps its
         own optimizer state, and a tied weight stays resident under its first name."""
         model = self.full_state_dict()  # also waits for the step in flight
         return model, self.state.optimizer_state(), []
 
     def load_checkpoint_state(self, model: dict, optim: dict) -> None:
-        """Write loaded weights, buffers and AdamW state (as `checkpoint_state` gives them) to their tiers."""
+        """Write loaded weights, buffers and optimizer state (as `checkpoint_state` gives them) to their tiers."""
         self.adamw.wait()
         self.state.load(model, optim)
 

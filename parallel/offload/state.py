@@ -1,5 +1,5 @@
 """The offload engine's state in and out of the tiers, under the original parameter names: the initial
-values, the full state dict, and a checkpoint's weights and AdamW state (Note [offload engine] in
+values, the full state dict, and a checkpoint's weights and optimizer state (Note [offload engine] in
 parallel.offload.engine)."""
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from parallel.offload.tiers import finish
 
 
 class OffloadState:
-    """Reads and writes every weight, buffer and AdamW moment where it lives.
+    """Reads and writes every weight, buffer and optimizer state tensor where it lives.
 
     Args:
         model: the model (its buffers and resident parameters are its own).
         layout: the blocks and the resident parameters.
         stream: the block weights.
-        adamw: the AdamW state and step.
+        adamw: the optimizer's state and step.
         device: the compute device.
     """
 
@@ -87,30 +87,31 @@ class OffloadState:
 
     @torch.no_grad()
     def optimizer_state(self) -> dict:
-        """AdamW's state of every trainable parameter under its original name (CPU copies; zeros before the
-        first step, as AdamW starts it)."""
+        """The optimizer's state of every trainable parameter under its original name and torch's keys (CPU
+        copies; zeros before the first step)."""
         adamw, fqns, optim = self.adamw, self.layout.fqns, {}
 
-        def put(p: nn.Parameter, m: torch.Tensor, v: torch.Tensor) -> None:
-            optim[fqns[p]] = {"step": adamw.steps[p].clone(), "exp_avg": m.detach().cpu().clone(),
-                              "exp_avg_sq": v.detach().cpu().clone()}
+        def put(p: nn.Parameter, bufs: list[torch.Tensor]) -> None:
+            state = {k: t.detach().cpu().clone() for k, t in zip(adamw.keys, bufs)}
+            if adamw.cls is torch.optim.AdamW:
+                state["step"] = adamw.steps[p].clone()
+            optim[fqns[p]] = state
 
         for b in self.layout.blocks:
             if b.trainable:
-                m, v, pooled = adamw.states(b)
+                bufs, pooled = adamw.states(b)
                 for s in b.trainable:
-                    put(s.param, s.view(m), s.view(v))
-                if pooled:
-                    adamw.pool.give(m)
-                    adamw.pool.give(v)
+                    put(s.param, [s.view(buf) for buf in bufs])
+                for buf in bufs if pooled else []:
+                    adamw.pool.give(buf)
         for p in self.layout.resident:
             if p.requires_grad:
-                put(p, *adamw.resident_state.get(p, (torch.zeros_like(p), torch.zeros_like(p))))
+                put(p, adamw.resident_state.get(p, [torch.zeros_like(p) for _ in adamw.keys]))
         return optim
 
     @torch.no_grad()
     def load(self, model: dict, optim: dict) -> None:
-        """Write loaded weights, buffers and AdamW state (as `full_state_dict` and `optimizer_state` give
+        """Write loaded weights, buffers and optimizer state (as `full_state_dict` and `optimizer_state` give
         them) to their homes."""
         self._load_blocks(model, optim)
         adamw = self.adamw
@@ -120,14 +121,20 @@ class OffloadState:
         for p in self.layout.resident:
             if p.requires_grad:
                 s = optim[self.layout.fqns[p]]
-                adamw.resident_state[p] = (s["exp_avg"].to(self.device).clone(),
-                                           s["exp_avg_sq"].to(self.device).clone())
-                adamw.steps[p].copy_(s["step"])
+                adamw.resident_state[p] = [s[k].to(self.device).clone() for k in adamw.keys]
+                self._loaded(p, s)
         for fqn, buf in self._saved_buffers():
             buf.copy_(model[fqn])
 
+    def _loaded(self, p: nn.Parameter, state: dict) -> None:
+        """`p`'s step counter as saved (AdamW), or its momentum buffer marked as made (SGD)."""
+        if "step" in state:
+            self.adamw.steps[p].copy_(state["step"])
+        if self.adamw.keys:
+            self.adamw.started.add(p)
+
     def _load_blocks(self, model: dict, optim: dict) -> None:
-        """Each block's weights to the params tier (or its own buffer) and its moments to the optimizer tier."""
+        """Each block's weights to the params tier (or its own buffer) and its state to the optimizer tier."""
         stream, adamw = self.stream, self.adamw
         for b in self.layout.blocks:
             flat = b.pool.take() if stream.streaming else b.buffer
@@ -137,14 +144,13 @@ class OffloadState:
                 finish(stream.tier.write(b.key(), flat[:b.nbytes]))
                 b.pool.give(flat)
             if b.trainable:
-                m, v, pooled = adamw.states(b)
+                bufs, pooled = adamw.states(b)
                 for s in b.trainable:
-                    s.view(m).copy_(optim[s.fqn]["exp_avg"])
-                    s.view(v).copy_(optim[s.fqn]["exp_avg_sq"])
-                    adamw.steps[s.param].copy_(optim[s.fqn]["step"])
+                    for k, buf in zip(adamw.keys, bufs):
+                        s.view(buf).copy_(optim[s.fqn][k])
+                    self._loaded(s.param, optim[s.fqn])
                 if pooled:
-                    finish(adamw.tier.write(b.key("m"), m[:b.nbytes]))
-                    finish(adamw.tier.write(b.key("v"), v[:b.nbytes]))
+                    for kind, buf in zip("mv", bufs):
+                        finish(adamw.tier.write(b.key(kind), buf[:b.nbytes]))
+                        adamw.pool.give(buf)
                     b.state_ready = True
-                    adamw.pool.give(m)
-                    adamw.pool.give(v)

@@ -1,19 +1,62 @@
 """data=custom: a user's map-style Dataset, a Hugging Face datasets.Dataset and an IterableDataset train under
-every strategy as under strategy=single (the global batch of step k the same on any world size)."""
+every strategy as under strategy=single (the global batch of step k the same on any world size), and a run
+saved under data zero 3 on two ranks resumes on one as the uninterrupted run continues."""
 import pytest
+import torch
 
 from tests import cli
 
-MAP = ["data=custom", "data._target_=tests.user_data.regression", "model.args.depth=2"]
+# Six steps of 32 over 96 samples: two epochs of the map-style sets. Loaded in 2 processes, in this process
+# (workers=0) and, for the stream, in one loader process with its state in the checkpoints.
+DATASETS = {
+    "map": ["data=custom", "data._target_=tests.user_data.regression"],
+    "hf": ["data=custom", "data._target_=tests.user_data.hf_classification", "data.workers=0"],
+    "stream": ["data=custom", "data._target_=tests.user_data.stream", "+data.args.stateful=true"],
+}
+BASE = cli.FAST + ["model.args.depth=2", "trainer.checkpoint_every=3"]
+STRATEGIES = {"data0": ["strategy=data", "strategy.zero=0"], "pipeline": ["strategy=pipeline"],
+              "model": ["strategy=model"]}
 
 
 @pytest.fixture
-def map_single(reference):
-    return reference(cli.FAST + MAP)
+def single(reference):
+    return lambda name: reference(BASE + DATASETS[name])
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", [["strategy=data", "strategy.zero=0"], ["strategy=data", "strategy.zero=3"]])
-def test_map_style_matches_single(map_single, tmp_path, strategy):
-    cli.run(cli.FAST + MAP + ["nproc=2", *strategy, f"run_dir={tmp_path}"], cwd=tmp_path)
-    cli.assert_same_training(tmp_path, map_single)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_custom_data_matches_single(single, tmp_path, name, strategy):
+    cli.run(BASE + DATASETS[name] + ["nproc=2", *STRATEGIES[strategy], f"run_dir={tmp_path}"], cwd=tmp_path)
+    cli.assert_same_training(tmp_path, single(name))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_zero3_matches_single_and_resumes_on_single(single, tmp_path, name):
+    """Saved at step 3 by data zero 3 on two ranks, resumed by strategy=single: steps 4..6 and the final
+    weights of the uninterrupted single run (the next batch, the stream's state)."""
+    ref, saved, resumed = single(name), tmp_path / "zero3", tmp_path / "resumed"
+    cli.run(BASE + DATASETS[name] + ["nproc=2", "strategy=data", "strategy.zero=3", f"run_dir={saved}"],
+            cwd=tmp_path)
+    cli.assert_same_training(saved, ref)
+    checkpoint = saved / "checkpoints" / "step-000003"
+    assert (checkpoint / "data.pt").is_file() == (name == "stream")
+    cli.run(BASE + DATASETS[name] + [f"trainer.resume={checkpoint}", f"run_dir={resumed}"], cwd=tmp_path)
+    got = {r["step"]: r["loss"] for r in cli.metrics(resumed)}
+    want = {r["step"]: r["loss"] for r in cli.metrics(ref)}
+    assert sorted(got) == [4, 5, 6]
+    torch.testing.assert_close(torch.tensor([got[s] for s in (4, 5, 6)], dtype=torch.float64),
+                               torch.tensor([want[s] for s in (4, 5, 6)], dtype=torch.float64), rtol=1e-4, atol=0)
+    for key, value in cli.final_weights(ref).items():
+        torch.testing.assert_close(cli.final_weights(resumed)[key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_a_sample_the_model_cannot_take_stops_before_any_worker(tmp_path):
+    proc = cli.run(cli.FAST + ["data=custom", "data._target_=tests.user_data.images", "nproc=2", "strategy=data",
+                               f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error: data.input_key='0': the model does not take the dataset's "
+                                  "regression samples (field '0': torch.float32 features of shape (3, 4, 4))")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()

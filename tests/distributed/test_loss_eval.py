@@ -6,6 +6,8 @@ microbatches still give single's loss and weights, and single gives the plain lo
 batch (Note [global loss]). Evaluation gives single's figures under every strategy, and training goes on the
 same with and without it (Note [evaluation]).
 """
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,19 +20,22 @@ GPT = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "layers": 2, "mlp
 SMALL = ["trainer.steps=4", "trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true",
          "trainer.timeout_s=60", "optim.schedule=constant", "trainer.batch_size=8", "model=gpt",
          "model.args.dim=32"]
+# Evaluated after steps 2 and 4 on 16 other padded sequences (two global batches).
 PADDED = SMALL + ["data=custom", "data._target_=tests.user_loss.padded_lm", "data.shuffle=false",
-                  "data.workers=0"]
+                  "data.workers=0", "trainer.eval_every=2", "trainer.eval_batches=2",
+                  "data.eval._target_=tests.user_loss.padded_lm", "+data.eval.args.n=16", "+data.eval.args.seed=5"]
 EVAL = SMALL + ["data.task=lm", "data.seq_len=16", "trainer.eval_every=2", "trainer.eval_batches=2",
                "optim.lr=1e-3"]  # AdamW turns sharded sums' rounding into weight differences of ~lr x 1e-2
 
 
 def plain_padded_loop(steps: int = 4, batch_size: int = 8):
     """The user's own loop over the padded data in its order: cross-entropy's mean over the real tokens of each
-    global batch, AdamW, clipping at 1; returns (losses, final state)."""
+    global batch, AdamW, clipping at 1, and after steps 2 and 4 the mean loss and accuracy over the real tokens
+    of the eval sequences; returns (losses, evals, final state)."""
     torch.manual_seed(0)
     model = MODELS["gpt"](**GPT)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
-    data, losses = PaddedLM(), []
+    data, held_out, losses, evals = PaddedLM(), PaddedLM(n=16, seed=5), [], []
     for step in range(steps):
         x, y = data.x[step * batch_size:(step + 1) * batch_size], data.y[step * batch_size:(step + 1) * batch_size]
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
@@ -39,7 +44,14 @@ def plain_padded_loop(steps: int = 4, batch_size: int = 8):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return torch.tensor(losses, dtype=torch.float64), model.state_dict()
+        if (step + 1) % 2 == 0:
+            with torch.no_grad():
+                logits, real = model(held_out.x), held_out.y != -100
+                loss = F.cross_entropy(logits.flatten(0, 1), held_out.y.flatten(), ignore_index=-100).item()
+                accuracy = ((logits.argmax(-1) == held_out.y) & real).sum().item() / real.sum().item()
+            evals.append({"step": step + 1, "eval_loss": loss, "eval_accuracy": accuracy,
+                          "eval_perplexity": math.exp(loss)})
+    return torch.tensor(losses, dtype=torch.float64), evals, model.state_dict()
 
 
 @pytest.fixture
@@ -52,8 +64,9 @@ def test_single_is_the_plain_loops_token_mean_over_the_global_batch(padded_singl
     data = PaddedLM()
     real = [(data.y[i:i + 4] != -100).sum().item() for i in range(0, 32, 4)]
     assert len(set(real)) > 2  # the halves of each batch hold different numbers of real tokens
-    losses, state = plain_padded_loop()
+    losses, plain_evals, state = plain_padded_loop()
     torch.testing.assert_close(cli.losses(padded_single), losses, rtol=1e-4, atol=0)
+    assert_same_evals(evals(padded_single), plain_evals)
     final = cli.final_weights(padded_single)
     for name, value in state.items():
         torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
@@ -70,11 +83,22 @@ PADDED_RUNS = [["nproc=2", "strategy=data", "trainer.grad_accum=2"],
 def test_padded_tokens_normalized_over_the_global_batch(padded_single, tmp_path, strategy):
     cli.run(PADDED + strategy + [f"run_dir={tmp_path}"], cwd=tmp_path)
     cli.assert_same_training(tmp_path, padded_single)
+    assert_same_evals(evals(tmp_path), evals(padded_single))
 
 
 def evals(run_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")} for r in cli.metrics(run_dir)
             if any(k.startswith("eval_") for k in r)]
+
+
+def assert_same_evals(got: list[dict], want: list[dict]) -> None:
+    """The eval figures after steps 2 and 4 (lm: loss, accuracy and perplexity) within 1e-4 relative."""
+    assert [r["step"] for r in want] == [2, 4]
+    assert set(want[0]) == {"step", "eval_loss", "eval_accuracy", "eval_perplexity"}
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for key in w:
+            torch.testing.assert_close(g[key], w[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.fixture
@@ -92,13 +116,7 @@ EVAL_RUNS = [["nproc=2", "strategy=data", "strategy.zero=3"], ["nproc=2", "strat
 def test_eval_is_singles(eval_single, tmp_path, strategy):
     cli.run(EVAL + strategy + [f"run_dir={tmp_path}"], cwd=tmp_path)
     cli.assert_same_training(tmp_path, eval_single)
-    got, want = evals(tmp_path), evals(eval_single)
-    assert [r["step"] for r in want] == [2, 4] and set(want[0]) == {"step", "eval_loss", "eval_accuracy",
-                                                                  "eval_perplexity"}
-    for g, w in zip(got, want, strict=True):
-        assert g.keys() == w.keys()
-        for key in w:
-            torch.testing.assert_close(g[key], w[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    assert_same_evals(evals(tmp_path), evals(eval_single))
 
 
 @pytest.mark.timeout(180)
@@ -121,7 +139,7 @@ BAD = [(["loss._target_=tests.user_loss.nowhere"], "loss._target_='tests.user_lo
        (["loss._target_=tests.user_loss.squared_sum"], "loss._target_='tests.user_loss.squared_sum': returns a sum"),
        (["loss._target_=tests.user_loss.per_sample"], "must return a scalar tensor"),
        (["data=custom", "data._target_=tests.user_loss.padded_lm", "trainer.eval_every=2"],
-        "trainer.eval_every=2: data=custom has no eval data")]
+        "trainer.eval_every=2: data=custom has no evaluation data")]
 
 
 @pytest.mark.timeout(120)

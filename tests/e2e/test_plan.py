@@ -19,6 +19,9 @@ CASES = {
     "single": (1, BIG),
     "data_zero0": (2, BIG + ["strategy=data"]),
     "data_zero3": (2, BIG + ["strategy=data", "strategy.zero=3"]),
+    # Another optimizer's state (one momentum buffer per weight), sharded by ZeRO-1.
+    "data_zero1_sgd": (2, BIG + ["strategy=data", "strategy.zero=1", "optim._target_=torch.optim.SGD",
+                                 "+optim.args.momentum=0.9"]),
     "model_gpt": (2, GPT + ["strategy=model"]),
     "pipeline_1f1b": (2, ["trainer.batch_size=256", "strategy=pipeline", "strategy.balance=params"]),
     # An interleaved schedule holds its sends until the step ends; tensor-parallel stages send their

@@ -65,7 +65,21 @@ BAD = [
     ({"trainer__resume": __file__}, 1, "trainer.resume"),  # a file, not a run or checkpoint directory
     ({"optim__lr": 0.0}, 1, "optim.lr"),
     ({"optim__betas": [0.9]}, 1, "optim.betas"),
-    ({"optim__schedule": "linear"}, 1, "optim.schedule"),
+    ({"optim__schedule": "warmup"}, 1, "optim.schedule"),
+    ({"optim___target_": "torch.nn.Linear"}, 1, "optim._target_"),  # not an Optimizer
+    ({"optim___target_": "torch.optim.NoSuchThing"}, 1, "optim._target_"),
+    ({"optim___target_": "torch.optim.SGD", "optim__args": {"momentun": 0.9}}, 1, "optim.args"),  # a typo
+    ({"optim___target_": "torch.optim.SGD", "optim__args": {"momentum": -1.0}}, 1, "optim.args"),  # SGD refuses it
+    ({"optim___target_": "torch.optim.SGD", "optim__args": {"lr": 0.1}}, 1, "optim.args.lr"),  # optim.lr's
+    ({"optim___target_": "torch.optim.SparseAdam"}, 1, "optim.weight_decay"),  # takes none
+    ({"strategy__name": "offload", "optim___target_": "torch.optim.Adam"}, 1, "optim._target_"),
+    ({"strategy__name": "offload", "optim___target_": "torch.optim.SGD", "optim__args": {"maximize": True}}, 1,
+     "optim.args"),
+    ({"optim__no_decay": ["bias", "nope"]}, 1, "optim.no_decay"),  # a pattern matching nothing
+    ({"optim__lr_scale": ["inp.*:fast"]}, 1, "optim.lr_scale"),
+    ({"optim__lr_scale": ["nope.*:2"]}, 1, "optim.lr_scale"),
+    ({"optim__schedule": "wsd", "optim__decay_steps": 51}, 1, "optim.decay_steps"),  # longer than the run
+    ({"optim__decay_fraction": 0.0}, 1, "optim.decay_fraction"),
     ({"optim__name": "sgd"}, 1, "optim.name"),
     ({"optim__weight_decay": -0.1}, 1, "optim.weight_decay"),
     ({"optim__warmup_steps": -1}, 1, "optim.warmup_steps"),

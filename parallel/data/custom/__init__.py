@@ -26,8 +26,10 @@ and dropping the positions of the steps before. Reaching the end starts the stre
 epoch, `set_epoch(e)` called when the dataset has it).
 """
 from parallel.data.custom.dataset import Collate, build_dataset, is_iterable
+from parallel.data.custom.evaluation import build_custom_eval
+from parallel.data.custom.iterable import IterData
 from parallel.data.custom.loader import MapData, MapOrder, split_indices
 from parallel.data.custom.probe import check_custom, read_custom_hints
 
-__all__ = ["Collate", "MapData", "MapOrder", "build_dataset", "check_custom", "is_iterable", "read_custom_hints",
+__all__ = ["Collate", "IterData", "MapData", "MapOrder", "build_custom_eval", "build_dataset", "check_custom", "is_iterable", "read_custom_hints",
            "split_indices"]

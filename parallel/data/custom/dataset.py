@@ -26,10 +26,16 @@ def import_callable(key: str, target: Any) -> Callable:
     try:
         found = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        fail(key, target, f"cannot be imported ({type(e).__name__}: {e})")
+        fail(key, target, f"cannot be imported ({error_text(e)})")
     if not callable(found):
         fail(key, target, "is not callable")
     return found
+
+
+def error_text(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def _hf(obj: Any, name: str) -> bool:
@@ -54,8 +60,8 @@ def build_dataset(key: str, target: Any, args: Mapping) -> Any:
         ds = factory(**dict(args))
     except ConfigError:
         raise
-    except (TypeError, ValueError, FileNotFoundError) as e:
-        fail(key, target, f"building the dataset with args {dict(args)} failed: {type(e).__name__}: {e}")
+    except (TypeError, ValueError, OSError) as e:
+        fail(key, target, f"building the dataset with args {dict(args)} failed: {error_text(e)}")
     if (_hf(ds, "Dataset") or _hf(ds, "IterableDataset")) and getattr(ds, "format", {}).get("type") is None:
         ds = ds.with_format("torch")
     if is_iterable(ds):
@@ -172,7 +178,8 @@ def _count(ds: Any, names: tuple[str, ...], key: str) -> int | None:
             return value
         if isinstance(value, Sequence) and not isinstance(value, str) and value:
             return len(value)
-    feature = (getattr(ds, "features", None) or {}).get(key) if not key.isdigit() else None
+    features = getattr(ds, "features", None)  # a Hugging Face dataset's Features (a dict of field -> type)
+    feature = features.get(key) if isinstance(features, Mapping) else None
     return getattr(feature, "num_classes", None)
 
 

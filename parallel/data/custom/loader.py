@@ -76,6 +76,8 @@ class _Reader:
     """What map-style and iterable sources share: a torch DataLoader started at the step asked for (again
     when a step out of sequence is asked: a resume), its batches moved to the device, the wait timed."""
 
+    num_batches: int | None = None  # an evaluation source's count of whole batches (None: unbounded)
+
     def __init__(self, cfg: DataConfig, seed: int):
         self.cfg, self.seed = cfg, seed
         self._iter, self._next = None, None

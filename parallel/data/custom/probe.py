@@ -13,7 +13,9 @@ from parallel.data.custom.dataset import (
     _count,
     _spec,
     build_dataset,
+    error_text,
     first_sample,
+    import_callable,
     infer_task,
     is_iterable,
     resolve_key,
@@ -24,6 +26,15 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+def _user_batch(user: str, sample: Any) -> Any:
+    """data.collate's batch of one sample."""
+    fn = import_callable("data.collate._target_", user)
+    try:
+        return fn([sample])
+    except Exception as e:  # noqa: BLE001 - the user's function
+        fail("data.collate._target_", user, f"collating a sample failed: {error_text(e)}")
+
+
 def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample through the configured collation -> its (input, target) tensors."""
     try:
@@ -32,7 +43,7 @@ def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[tor
         raise
     except Exception as e:  # noqa: BLE001 - a user's collate function, or fields default_collate cannot stack
         key, target = ("data.collate._target_", collate.user) if collate.user else (key, target)
-        fail(key, target, f"collating a sample failed: {type(e).__name__}: {e}")
+        fail(key, target, f"collating a sample failed: {error_text(e)}")
     if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.dim() == 0:
         fail(key, target, "the batch's input must be a tensor with a sample dimension")
     return x[0], y[0]
@@ -48,8 +59,9 @@ def read_custom_hints(d) -> dict:
     target, args = d._target_, _plain(d.args)
     ds = build_dataset("data._target_", target, args)
     sample = first_sample("data._target_", target, ds)
-    ik, tk = resolve_key(sample, d.input_key, "input"), resolve_key(sample, d.target_key, "target")
     user = (_plain(d.collate) or {}).get("_target_")
+    fields = _user_batch(user, sample) if user else sample  # the keys name fields of what the model is fed
+    ik, tk = resolve_key(fields, d.input_key, "input"), resolve_key(fields, d.target_key, "target")
     x, y = _collated("data._target_", target, Collate(ik, tk, user), sample)
     task = infer_task(x, y) if d.task == "auto" else d.task
     hints: dict[str, Any] = {
@@ -71,15 +83,14 @@ def read_custom_hints(d) -> dict:
         _below("data.vocab_size", hints["vocab_size"], y, "target")
     eval_cfg = _plain(d.eval) or {}
     if eval_cfg.get("_target_"):
-        _check_eval_sample(eval_cfg, Collate(ik, tk, user), x, y)
+        hints["spec"]["eval_samples"] = _check_eval_sample(eval_cfg, Collate(ik, tk, user), x, y)
     return hints
 
 
 def _size(ds: Any, names: tuple, field: str, key: str, configured: int, t: torch.Tensor, what: str) -> int:
-    """classes / vocab_size: what the dataset states, else the configured value; the first sample's ids
-    must be below it."""
-    found = _count(ds, names, field)
-    value = found or configured
+    """classes / vocab_size: the configured value when set (not 0), else what the dataset states; the first
+    sample's ids must be below it."""
+    value = configured or _count(ds, names, field)
     if not value:
         fail(f"data.{key}", configured, f"the dataset does not say its {key} (no {' / '.join(names)} attribute"
              f"{', no ClassLabel feature' if key == 'classes' else ''}): set data.{key}=N")
@@ -92,20 +103,24 @@ def _below(key: str, value: int, t: torch.Tensor, what: str) -> None:
         fail(key, value, f"the first sample's {what} holds id {int(t.max())}: ids must be below {key}")
 
 
-def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: torch.Tensor) -> None:
-    """data.eval's dataset gives samples of the training samples' fields, shapes and dtypes."""
+def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: torch.Tensor) -> int | None:
+    """data.eval's dataset gives samples of the training samples' fields, shapes and dtypes; returns its
+    sample count (None: a stream)."""
     target = eval_cfg["_target_"]
     ds = build_dataset("data.eval._target_", target, eval_cfg.get("args") or {})
     sample = first_sample("data.eval._target_", target, ds)
-    resolve_key(sample, collate.input_key, "input"), resolve_key(sample, collate.target_key, "target")
+    fields = _user_batch(collate.user, sample) if collate.user else sample
+    resolve_key(fields, collate.input_key, "input"), resolve_key(fields, collate.target_key, "target")
     ex, ey = _collated("data.eval._target_", target, collate, sample)
     if _spec(ex) != _spec(x) or _spec(ey) != _spec(y):
         fail("data.eval._target_", target, f"its samples (input {_spec(ex)}, target {_spec(ey)}) differ from the "
              f"training samples' (input {_spec(x)}, target {_spec(y)})")
+    return None if is_iterable(ds) else len(ds)
 
 
-def check_custom(d: DataConfig, batch_size: int) -> None:
-    """data=custom's settings, after the first sample was read (`read_custom_hints`)."""
+def check_custom(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
+    """data=custom's settings, after the first sample was read (`read_custom_hints`); `eval_every`:
+    trainer.eval_every, which needs evaluation data."""
     spec = d.spec or {}
     if not d._target_:
         fail("data._target_", d._target_, "data=custom needs the dataset's factory", "package.module.callable")
@@ -113,18 +128,23 @@ def check_custom(d: DataConfig, batch_size: int) -> None:
         fail("data.eval_fraction", d.eval_fraction, "must be in [0, 1) (0: nothing held out)")
     if d.eval_fraction and (d.eval or {}).get("_target_"):
         fail("data.eval_fraction", d.eval_fraction, "data.eval names an evaluation dataset already: set one")
+    if eval_every and not d.eval_fraction and not (d.eval or {}).get("_target_"):
+        fail("trainer.eval_every", eval_every, "data=custom has no evaluation data: set data.eval._target_ "
+             "(a dataset of its own) or data.eval_fraction (a part of the training set held out)")
     if d.collate and set(d.collate) - {"_target_"}:
         fail("data.collate", dict(d.collate), "takes only _target_ (a function of a list of samples)")
-    if spec.get("iterable"):
-        if d.eval_fraction:
-            fail("data.eval_fraction", d.eval_fraction, "an iterable dataset has no samples to hold out by "
-                 "position; give data.eval a dataset of its own")
-        return
+    if spec.get("iterable") and d.eval_fraction:
+        fail("data.eval_fraction", d.eval_fraction, "an iterable dataset has no samples to hold out by "
+             "position; give data.eval a dataset of its own")
     n = spec.get("samples") or 0
     held = held_out_count(n, d.eval_fraction)
-    if d.eval_fraction and held == 0:
-        fail("data.eval_fraction", d.eval_fraction, f"holds out no sample of {n}")
-    if n - held < batch_size:
+    if d.eval_fraction and held < batch_size:
+        fail("data.eval_fraction", d.eval_fraction, f"holds out {held} of {n} samples, fewer than one global "
+             f"batch (trainer.batch_size={batch_size}) to evaluate")
+    if spec.get("eval_samples") is not None and spec["eval_samples"] < batch_size:
+        fail("data.eval._target_", d.eval["_target_"], f"the evaluation dataset has {spec['eval_samples']} "
+             f"samples, fewer than one global batch (trainer.batch_size={batch_size})")
+    if not spec.get("iterable") and n - held < batch_size:
         fail("data._target_", d._target_, f"the dataset has {n - held} samples to train on"
              f"{f' ({held} held out)' if held else ''}, fewer than one global batch (trainer.batch_size="
              f"{batch_size})")

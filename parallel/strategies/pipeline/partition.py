@@ -10,7 +10,7 @@ is traced from the forward (Note [tracing for the pipeline] in trace.py), so
 values that skip over stages and non-Sequential control flow are carried
 correctly. Costs:
   params  trainable parameter count;
-  memory  bytes of weights + gradients + AdamW state + activations saved for
+  memory  bytes of weights + gradients + optimizer state + activations saved for
           backward for the microbatches a stage holds at once;
   time    forward + backward time of one microbatch, measured on a real copy of
           the block on the CPU, or estimated from its FLOPs (counted on meta
@@ -123,16 +123,17 @@ def _estimate_unmeasured(blocks: list[BlockCost]) -> None:
             b.act_bytes = b.param_bytes  # without a run, assume activations as large as weights
 
 
-def stage_memory(blocks: list[BlockCost], in_flight: int) -> int:
-    """Weights + grads + 2 AdamW moments (4x the weights) + saved activations of `in_flight` microbatches."""
-    return sum(4 * b.param_bytes + in_flight * b.act_bytes for b in blocks)
+def stage_memory(blocks: list[BlockCost], in_flight: int, state: float = 2.0) -> int:
+    """Weights + grads + the optimizer's state (`state` x the weights: AdamW's two moments 2, SGD with momentum
+    1) + saved activations of `in_flight` microbatches."""
+    return sum(int((2 + state) * b.param_bytes) + in_flight * b.act_bytes for b in blocks)
 
 
-def cost_of(block: BlockCost, balance: str, in_flight: int = 1) -> float:
+def cost_of(block: BlockCost, balance: str, in_flight: int = 1, state: float = 2.0) -> float:
     if balance == "params":
         return float(block.params)
     if balance == "memory":
-        return float(stage_memory([block], in_flight))
+        return float(stage_memory([block], in_flight, state))
     return block.time_s
 
 

@@ -16,6 +16,7 @@ from parallel.blocks import candidates
 from parallel.config import Config, ConfigError
 from parallel.data import example_input
 from parallel.memory.budget import budget_bytes
+from parallel.optim import state_per_weight
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import partition, schedules
 from parallel.strategies.pipeline.chain import chain, stage_shapes
@@ -105,8 +106,9 @@ def _balanced_starts(cfg: Config, blocks: list[partition.BlockCost], n_stages: i
                      in_flight: int) -> list[int]:
     """Block indices where stages begin, balanced by strategy.balance within memory.budget."""
     s = cfg.strategy
-    costs = [partition.cost_of(b, s.balance, in_flight) for b in blocks]
-    mem = [partition.stage_memory([b], in_flight) for b in blocks]
+    state = state_per_weight(cfg)
+    costs = [partition.cost_of(b, s.balance, in_flight, state) for b in blocks]
+    mem = [partition.stage_memory([b], in_flight, state) for b in blocks]
     budget = budget_bytes(cfg.memory)
     try:
         return partition.balance(costs, n_stages, mem, budget, allowed)
@@ -173,7 +175,7 @@ def _rows(cfg: Config, blocks: list[partition.BlockCost], starts_idx: list[int],
         rows.append({"stage": i, "rank": ranks[i], "first": group[0].name, "last": group[-1].name,
                      "blocks": len(group), "params": sum(b.params for b in group),
                      "time_ms": 1e3 * sum(b.time_s for b in group),
-                     "memory_bytes": partition.stage_memory(group, in_flight)})
+                     "memory_bytes": partition.stage_memory(group, in_flight, state_per_weight(cfg))})
     return rows
 
 
