@@ -1,0 +1,363 @@
+"""Text corpora as language-model shards: text files streamed a line at a time, tokenized in batches by a
+local tokenizer (a Hugging Face tokenizer.json or a tiktoken file; nothing is downloaded), packed into
+windows of seq_len + 1 tokens and written by ShardWriter (launch/make_shards.py text=...).
+
+# Note [packing text]
+The corpus becomes one stream of tokens: each document's tokens, then the
+end-of-text token (`eos`; none with eos=none), then the next document's. The
+stream is cut into windows of seq_len + 1 tokens that overlap by one: window i
+holds tokens i*L .. i*L + L (L = seq_len), so its inputs are the first L and
+its targets the last L, and every next-token pair of the stream is a target
+exactly once (windows that did not overlap would never train the pair across
+their boundary). Documents are packed back to back, a window may hold the end
+of one and the start of the next; the end-of-text token between them tells
+the model so (attention is not masked at the boundary). What is left after the
+last full window (fewer than seq_len tokens) is dropped and counted.
+
+Memory is bounded whatever the corpus: a file is read a line at a time, a
+document is tokenized in pieces of about `CHUNK_CHARS` characters, a batch of
+pieces (`BATCH_CHARS`) at a time, and only the tokens of one batch plus the
+unfinished window are held before ShardWriter writes them out. A piece ends
+just before a line that starts with a non-space character: there the split
+patterns of byte-level BPE (GPT-2, tiktoken) and of whitespace pre-tokenizers
+cut the text anyway, so the pieces give the tokens of the whole document
+(tested); tokenizers that add a prefix space at the start of a text (some
+SentencePiece-style ones) add one per piece. A single line is never split, so
+the longest line bounds memory.
+"""
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import time
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from parallel.config import ConfigError
+from parallel.data.shards.manifest import DEFAULT_SHARD_BYTES, Manifest
+from parallel.data.shards.writer import ShardWriter
+
+CHUNK_CHARS = 1 << 16  # characters of a document tokenized as one piece
+BATCH_CHARS = 1 << 20  # characters tokenized in one call (the tokenizers parallelize over a batch's pieces)
+SPLITS = ("file", "line", "paragraph")
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
+# Names tokenizers give their end-of-text token, tried in this order when tokenizer_config.json names none.
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+
+
+@dataclass
+class Tokenizer:
+    """One interface over a Hugging Face tokenizer and a tiktoken encoding.
+
+    Attributes:
+        kind: "tokenizers" or "tiktoken".
+        vocab_size: ids run 0 .. vocab_size - 1 (special tokens included).
+        eos: the end-of-text token's text, when the tokenizer has one.
+        encode: texts -> their token ids, one sequence per text (no special tokens added).
+        token_id: a token's text -> its id, or None when it is not a single token.
+    """
+
+    kind: str
+    vocab_size: int
+    eos: str | None
+    encode: Callable[[list[str]], list]
+    token_id: Callable[[str], int | None]
+
+
+def load_tokenizer(path: str, pattern: str | None = None) -> Tokenizer:
+    """The tokenizer in `path`: a tokenizer.json (or a directory holding one), else a tiktoken file.
+
+    Args:
+        path: the file or directory.
+        pattern: a tiktoken file's split pattern (a regex); default GPT-2's. Not for tokenizer.json,
+            which holds its own.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            raise ConfigError(f"tokenizer={path!r}: a directory without tokenizer.json")
+        p = p / "tokenizer.json"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(64).lstrip()
+    except OSError as e:
+        raise ConfigError(f"tokenizer={path!r}: cannot be read ({e.strerror or e})") from None
+    if head.startswith(b"{"):
+        if pattern is not None:
+            raise ConfigError(f"pattern={pattern!r}: only for a tiktoken file; {path!r} is a tokenizer.json, "
+                              f"whose pre-tokenizer splits the text")
+        return _hf_tokenizer(p, path)
+    return _tiktoken_tokenizer(p, path, pattern)
+
+
+def _hf_tokenizer(p: Path, path: str) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        tok = HFTokenizer.from_file(str(p))
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a malformed file
+        raise ConfigError(f"tokenizer={path!r}: not a Hugging Face tokenizer.json ({e})") from None
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    eos = _configured_eos(p.parent / "tokenizer_config.json")
+    if eos is None:
+        eos = next((name for name in EOS_NAMES if name in specials), None)
+
+    def encode(texts: list[str]) -> list:
+        return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    return Tokenizer("tokenizers", tok.get_vocab_size(with_added_tokens=True), eos, encode, tok.token_to_id)
+
+
+def _configured_eos(config: Path) -> str | None:
+    """tokenizer_config.json's `eos_token` (a string, or a dict with its `content`), where there is one."""
+    try:
+        eos = json.loads(config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def _tiktoken_tokenizer(p: Path, path: str, pattern: str | None) -> Tokenizer:
+    import tiktoken
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+
+    ranks = _read_ranks(p, path)
+    # The file holds only the merges: the end-of-text token gets the next free id, as GPT-2's does.
+    specials = {ENDOFTEXT: max(ranks.values()) + 1}
+    try:
+        enc = tiktoken.Encoding(p.stem, pat_str=pattern or r50k_pat_str, mergeable_ranks=ranks,
+                                special_tokens=specials)
+    except ValueError as e:  # a pattern the regex engine refuses
+        raise ConfigError(f"pattern={pattern!r}: not a usable split pattern ({e})") from None
+
+    def token_id(text: str) -> int | None:
+        try:
+            return enc.encode_single_token(text)
+        except KeyError:
+            return None
+
+    def encode(texts: list[str]) -> list:
+        return enc.encode_ordinary_batch(texts)
+
+    return Tokenizer("tiktoken", enc.n_vocab, ENDOFTEXT, encode, token_id)
+
+
+def _read_ranks(p: Path, path: str) -> dict[bytes, int]:
+    """A tiktoken file's merges: one `base64-token rank` per line. Read here rather than with
+    tiktoken.load.load_tiktoken_bpe, which caches a local file by its path in a shared temporary
+    directory and would serve a stale copy once the file changes."""
+    ranks = {}
+    with open(p, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise ConfigError(f"tokenizer={path!r}: neither a tokenizer.json nor a tiktoken file "
+                                  f"(line {n} is not `base64-token rank`)") from None
+    if not ranks:
+        raise ConfigError(f"tokenizer={path!r}: an empty tiktoken file")
+    return ranks
+
+
+def text_files(spec: str) -> list[Path]:
+    """The files `spec` names: comma-separated files, directories (every file under them, hidden ones
+    skipped) and glob patterns (`**` recursive), each expanded in sorted order."""
+    files: list[Path] = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if any(c in item for c in "*?["):
+            matches = sorted(glob.glob(item, recursive=True))
+            if not matches:
+                raise ConfigError(f"text={spec!r}: {item!r} matches no file")
+        else:
+            matches = [item]
+        for m in map(Path, matches):
+            if m.is_dir():
+                files += sorted(f for f in m.rglob("*") if f.is_file()
+                                and not any(part.startswith(".") for part in f.relative_to(m).parts))
+            elif m.is_file():
+                files.append(m)
+            else:
+                raise ConfigError(f"text={spec!r}: {str(m)!r}: no such file or directory")
+    if not files:
+        raise ConfigError(f"text={spec!r}: names no file")
+    return list(dict.fromkeys(files))
+
+
+def documents(files: list[Path], split: str, read: Callable[[int], None] = lambda n: None
+              ) -> Iterator[tuple[str, bool]]:
+    """The corpus as pieces of text, each with whether it ends a document (Note [packing text]).
+
+    Args:
+        files: the text files (UTF-8).
+        split: what a document is: a whole `file`, each non-empty `line`, or each `paragraph` (lines
+            up to a blank line).
+        read: called with the bytes of each line read (progress).
+    """
+    for path in files:
+        buf: list[str] = []
+        size = 0
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                read(len(raw))
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+                if split == "line":
+                    if line.strip():
+                        yield line.rstrip("\r\n"), True
+                elif split == "paragraph" and not line.strip():
+                    if buf:
+                        yield "".join(buf).rstrip("\r\n"), True
+                    buf, size = [], 0
+                else:
+                    if split == "file" and size >= CHUNK_CHARS and not line[:1].isspace():
+                        yield "".join(buf), False
+                        buf, size = [], 0
+                    buf.append(line)
+                    size += len(line)
+        if buf:
+            yield ("".join(buf) if split == "file" else "".join(buf).rstrip("\r\n")), True
+
+
+class Packer:
+    """Token stream -> windows of seq_len + 1 overlapping by one token (Note [packing text])."""
+
+    def __init__(self, seq_len: int, dtype: np.dtype):
+        self.seq_len = seq_len
+        self.carry = np.empty(0, dtype)  # tokens not yet in a window (the last window's last one included)
+
+    def add(self, tokens: np.ndarray) -> np.ndarray:
+        """The full windows the stream holds once `tokens` are appended: (n, seq_len + 1), a view."""
+        t = np.concatenate([self.carry, tokens.astype(self.carry.dtype, copy=False)])
+        n = max(0, (len(t) - 1) // self.seq_len)
+        rows = sliding_window_view(t, self.seq_len + 1)[::self.seq_len][:n] if n else t[:0].reshape(0, -1)
+        self.carry = t[n * self.seq_len:].copy()
+        return rows
+
+    @property
+    def dropped(self) -> int:
+        """Tokens after the last window that no window holds."""
+        return max(0, len(self.carry) - 1)
+
+
+def batches(pieces: Iterator[tuple[str, bool]], tok: Tokenizer, eos: int | None) -> Iterator[np.ndarray]:
+    """Token ids of about BATCH_CHARS characters of text at a time, `eos` after each document's."""
+    texts: list[str] = []
+    ends: list[bool] = []
+    size = 0
+    for text, end in chain(pieces, [(None, None)]):
+        if text is not None:
+            texts.append(text)
+            ends.append(end)
+            size += len(text)
+        if texts and (size >= BATCH_CHARS or text is None):
+            parts: list = []
+            for ids, last in zip(tok.encode(texts), ends):
+                parts.append(ids)
+                if last and eos is not None:
+                    parts.append((eos,))
+            yield np.fromiter(chain.from_iterable(parts), np.int64, sum(map(len, parts)))
+            texts, ends, size = [], [], 0
+
+
+def token_dtype(name: str, vocab_size: int) -> np.dtype:
+    """The id dtype `name` (auto: uint16 when the vocabulary fits, else uint32); ConfigError when
+    `vocab_size` ids do not fit it."""
+    if name == "auto":
+        name = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r}: unknown (one of {['auto', *DTYPES]})")
+    dtype = np.dtype(DTYPES[name])
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise ConfigError(f"dtype={name!r}: holds ids up to {np.iinfo(dtype).max}, the tokenizer's vocabulary "
+                          f"has {vocab_size} (dtype=auto picks one that fits)")
+    return dtype
+
+
+def eos_id(tok: Tokenizer, eos: str | None, path: str) -> int | None:
+    """The separator's id: `eos` (a token's text; "none": no separator) or, by default, the tokenizer's
+    end-of-text token. ConfigError when neither names a single token."""
+    if eos == "none":
+        return None
+    name = tok.eos if eos is None else eos
+    if name is None:
+        raise ConfigError(f"tokenizer={path!r} names no end-of-text token: give one with eos=TOKEN (a token "
+                          f"of its vocabulary), or eos=none to join documents without a separator")
+    i = tok.token_id(name)
+    if i is None:
+        raise ConfigError(f"eos={name!r}: not a single token of tokenizer={path!r}")
+    return i
+
+
+@dataclass
+class TextStats:
+    """What write_text_shards read and wrote."""
+
+    files: int = 0
+    bytes: int = 0
+    documents: int = 0
+    tokens: int = 0
+    samples: int = 0
+    dropped: int = 0
+    seconds: float = 0.0
+    manifest: Manifest | None = field(default=None, repr=False)
+
+
+def write_text_shards(files: list[Path], tok: Tokenizer, out: str, seq_len: int, *, split: str = "file",
+                      eos: int | None = None, dtype: np.dtype = np.dtype(np.uint16),
+                      shard_size: int | str = DEFAULT_SHARD_BYTES, progress: bool = True) -> TextStats:
+    """Tokenize `files` and write them under `out` as windows of seq_len + 1 tokens (Note [packing text]).
+
+    Args:
+        files: UTF-8 text files (text_files).
+        tok: the tokenizer (load_tokenizer).
+        out: the dataset directory.
+        seq_len: tokens a sample feeds the model (its window holds one more, the last target).
+        split: what a document is (`documents`).
+        eos: the id appended after each document (eos_id), or None.
+        dtype: the stored id type (token_dtype).
+        shard_size: samples per shard, or a size with a unit.
+        progress: a progress bar on stderr.
+    """
+    from tqdm import tqdm
+
+    if seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len}: must be a positive number of tokens")
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r}: unknown (one of {list(SPLITS)})")
+    stats = TextStats(files=len(files), bytes=sum(f.stat().st_size for f in files))
+    t0 = time.perf_counter()
+    writer = ShardWriter(out, shard_size, hints={"vocab_size": tok.vocab_size})
+    packer = Packer(seq_len, dtype)
+    bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress,
+               mininterval=0.5, dynamic_ncols=True)
+
+    def pieces() -> Iterator[tuple[str, bool]]:
+        for text, end in documents(files, split, bar.update):
+            stats.documents += end
+            yield text, end
+
+    with bar:
+        for tokens in batches(pieces(), tok, eos):
+            stats.tokens += len(tokens)
+            rows = packer.add(tokens)
+            if len(rows):
+                writer.add_arrays({"tokens": rows})
+                stats.samples += len(rows)
+            bar.set_postfix_str(f"{stats.tokens:,} tokens", refresh=False)
+    if stats.samples == 0:
+        raise ConfigError(f"the text holds {stats.tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}: "
+                          f"not one sample")
+    stats.manifest = writer.close()
+    stats.dropped, stats.seconds = packer.dropped, time.perf_counter() - t0
+    return stats
