@@ -96,8 +96,18 @@ def load_tokenizer(path: str, pattern: str | None = None) -> Tokenizer:
     return _tiktoken_tokenizer(p, path, pattern)
 
 
+def _need(package: str, what: str):
+    """Import an optional dependency (the `text` extra), or say which package to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(f"reading {what} needs the {package!r} package (pip install 'parallel[text]')") from None
+
+
 def _hf_tokenizer(p: Path, path: str) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer
+    HFTokenizer = _need("tokenizers", "a tokenizer.json").Tokenizer
 
     try:
         tok = HFTokenizer.from_file(str(p))
@@ -124,7 +134,7 @@ def _configured_eos(config: Path) -> str | None:
 
 
 def _tiktoken_tokenizer(p: Path, path: str, pattern: str | None) -> Tokenizer:
-    import tiktoken
+    tiktoken = _need("tiktoken", "a tiktoken file")
     from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
     ranks = _read_ranks(p, path)
@@ -192,8 +202,8 @@ def text_files(spec: str) -> list[Path]:
     return list(dict.fromkeys(files))
 
 
-def documents(files: list[Path], split: str, read: Callable[[int], None] = lambda n: None
-              ) -> Iterator[tuple[str, bool]]:
+def documents(files: list[Path], split: str, read: Callable[[int], None] = lambda n: None,
+              chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[str, bool]]:
     """The corpus as pieces of text, each with whether it ends a document (Note [packing text]).
 
     Args:
@@ -201,6 +211,7 @@ def documents(files: list[Path], split: str, read: Callable[[int], None] = lambd
         split: what a document is: a whole `file`, each non-empty `line`, or each `paragraph` (lines
             up to a blank line).
         read: called with the bytes of each line read (progress).
+        chunk_chars: a `file` document is cut into pieces of about this many characters.
     """
     for path in files:
         buf: list[str] = []
@@ -220,7 +231,7 @@ def documents(files: list[Path], split: str, read: Callable[[int], None] = lambd
                         yield "".join(buf).rstrip("\r\n"), True
                     buf, size = [], 0
                 else:
-                    if split == "file" and size >= CHUNK_CHARS and not line[:1].isspace():
+                    if split == "file" and size >= chunk_chars and not line[:1].isspace():
                         yield "".join(buf), False
                         buf, size = [], 0
                     buf.append(line)
@@ -240,7 +251,8 @@ class Packer:
         """The full windows the stream holds once `tokens` are appended: (n, seq_len + 1), a view."""
         t = np.concatenate([self.carry, tokens.astype(self.carry.dtype, copy=False)])
         n = max(0, (len(t) - 1) // self.seq_len)
-        rows = sliding_window_view(t, self.seq_len + 1)[::self.seq_len][:n] if n else t[:0].reshape(0, -1)
+        width = self.seq_len + 1
+        rows = sliding_window_view(t, width)[::self.seq_len][:n] if n else t[:0].reshape(0, width)
         self.carry = t[n * self.seq_len:].copy()
         return rows
 
@@ -250,8 +262,9 @@ class Packer:
         return max(0, len(self.carry) - 1)
 
 
-def batches(pieces: Iterator[tuple[str, bool]], tok: Tokenizer, eos: int | None) -> Iterator[np.ndarray]:
-    """Token ids of about BATCH_CHARS characters of text at a time, `eos` after each document's."""
+def batches(pieces: Iterator[tuple[str, bool]], tok: Tokenizer, eos: int | None,
+            batch_chars: int = BATCH_CHARS) -> Iterator[np.ndarray]:
+    """Token ids of about `batch_chars` characters of text at a time, `eos` after each document's."""
     texts: list[str] = []
     ends: list[bool] = []
     size = 0
@@ -260,7 +273,7 @@ def batches(pieces: Iterator[tuple[str, bool]], tok: Tokenizer, eos: int | None)
             texts.append(text)
             ends.append(end)
             size += len(text)
-        if texts and (size >= BATCH_CHARS or text is None):
+        if texts and (size >= batch_chars or text is None):
             parts: list = []
             for ids, last in zip(tok.encode(texts), ends):
                 parts.append(ids)
