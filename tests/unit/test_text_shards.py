@@ -151,3 +151,16 @@ def test_directories_expand_to_their_files_without_hidden_ones(tmp_path):
         (tmp_path / name).write_text("x\n")
     got = text_files(f"{tmp_path / 'd'},{tmp_path / 'c.txt'}")
     assert [p.relative_to(tmp_path).as_posix() for p in got] == ["d/b.txt", "d/sub/a.txt", "c.txt"]
+
+
+def test_shards_without_the_fields_training_reads_are_config_errors(tmp_path):
+    from parallel.data.shards import read_hints, write_shards
+
+    write_shards([{"tokens": np.zeros(1, np.uint16)}] * 3, tmp_path / "short")
+    write_shards([{"a": np.zeros(2), "b": np.zeros(2)}] * 3, tmp_path / "other")
+    for name, message in (("short", "tokens of shape (1,): a window needs shape (seq_len + 1,)"),
+                          ("other", "samples have no field 'targets' (they have ['a', 'b']); training reads "
+                                    "'features' and 'targets', or 'tokens'")):
+        with pytest.raises(ConfigError) as e:
+            read_hints(tmp_path / name)
+        assert message in str(e.value), str(e.value)

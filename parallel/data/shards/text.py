@@ -210,32 +210,38 @@ def documents(files: list[Path], split: str, read: Callable[[int], None] = lambd
         files: the text files (UTF-8).
         split: what a document is: a whole `file`, each non-empty `line`, or each `paragraph` (lines
             up to a blank line).
-        read: called with the bytes of each line read (progress).
+        read: called with the bytes read since its last call, before each piece (progress).
         chunk_chars: a `file` document is cut into pieces of about this many characters.
     """
     for path in files:
         buf: list[str] = []
-        size = 0
+        size = unread = 0  # characters in buf; bytes not yet passed to `read`
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
-                read(len(raw))
+                unread += len(raw)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise ConfigError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+                piece = None
                 if split == "line":
-                    if line.strip():
-                        yield line.rstrip("\r\n"), True
+                    piece = line.rstrip("\r\n") if line.strip() else None
                 elif split == "paragraph" and not line.strip():
-                    if buf:
-                        yield "".join(buf).rstrip("\r\n"), True
+                    piece = "".join(buf).rstrip("\r\n") if buf else None
                     buf, size = [], 0
                 else:
                     if split == "file" and size >= chunk_chars and not line[:1].isspace():
+                        read(unread - len(raw))
+                        unread = len(raw)
                         yield "".join(buf), False
                         buf, size = [], 0
                     buf.append(line)
                     size += len(line)
+                if piece is not None:
+                    read(unread)
+                    unread = 0
+                    yield piece, True
+        read(unread)
         if buf:
             yield ("".join(buf) if split == "file" else "".join(buf).rstrip("\r\n")), True
 
@@ -281,6 +287,28 @@ def batches(pieces: Iterator[tuple[str, bool]], tok: Tokenizer, eos: int | None,
                     parts.append((eos,))
             yield np.fromiter(chain.from_iterable(parts), np.int64, sum(map(len, parts)))
             texts, ends, size = [], [], 0
+            _release_freed_memory()
+
+
+def _trim_function() -> Callable[[], None]:
+    """glibc's malloc_trim(0), or nothing where there is no glibc.
+
+    A tokenizer's worker threads allocate and free a batch's encodings in their own malloc arenas, and
+    glibc keeps what they freed: with `tokenizers` the peak RSS grew by ~100 MB over 50 MB of varied text
+    (not over the same text repeated), though nothing is held. Trimming after each batch hands it back; it
+    costs well under a millisecond per batch of 1 MB of text.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0) and None
+
+
+_release_freed_memory = _trim_function()
 
 
 def token_dtype(name: str, vocab_size: int) -> np.dtype:
