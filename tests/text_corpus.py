@@ -20,9 +20,10 @@ def sentence(rng: random.Random) -> str:
 def document(rng: random.Random) -> str:
     lines = []
     for _ in range(rng.randint(1, 5)):
-        lines.append(" ".join(sentence(rng) for _ in range(rng.randint(1, 3))))
+        line = " ".join(sentence(rng) for _ in range(rng.randint(1, 3)))
+        lines.append(line[:-1] if rng.random() < 0.3 else line)  # some lines end in a letter
         if rng.random() < 0.2:
-            lines.append("  " + sentence(rng))  # an indented line: pieces are never cut before it
+            lines.append("  " + sentence(rng))  # an indented line
     return "\n".join(lines) + "\n"
 
 
@@ -66,10 +67,17 @@ def bytelevel_bpe(path: Path, files: list[Path], vocab_size: int = 400) -> Path:
     return path
 
 
+# A split pattern in the manner of tiktoken's newer encodings: punctuation keeps the line breaks after it.
+PUNCT_NEWLINE_PATTERN = r" ?\p{L}+| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+
+
 def tiktoken_file(path: Path, words=WORDS) -> Path:
-    """A tiktoken file: the 256 bytes, then each word with its leading space merged a byte at a time
+    """A tiktoken file: the 256 bytes, runs of line breaks and of spaces (so that a piece cut in the wrong
+    place tokenizes differently), then each word with its leading space merged a byte at a time
     (" t", " th", " the": every merge joins two tokens that exist before it)."""
     ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
+    for run in (b"\n\n", b"\n\n\n", b"  ", b"   ", b"\n ", b"\n  ", b".\n", b".\n\n"):
+        ranks[run] = len(ranks)
     for w in words:
         piece = b" " + w.encode()
         for end in range(2, len(piece) + 1):

@@ -46,18 +46,24 @@ def test_documents_by_file_line_and_paragraph(tmp_path):
     seen = []
     list(documents(files, "file", read=seen.append))
     assert sum(seen) == sum(f.stat().st_size for f in files)  # progress counts every byte
+    (tmp_path / "c.txt").write_text("  indented, ending in punctuation.\n" * 100)  # no place the patterns cut
+    pieces = [text for text, _ in documents([tmp_path / "c.txt"], "file", chunk_chars=20)]
+    assert len(pieces) == 100 // 3 + 1 and {len(p) for p in pieces[:-1]} == {35 * 3}  # cut at 4 x 20 characters
 
 
-@pytest.mark.parametrize("kind", ["bpe", "tiktoken"])
+@pytest.mark.parametrize("kind", ["bpe", "tiktoken", "tiktoken-pattern"])
 def test_a_long_document_in_pieces_gives_the_tokens_of_the_whole(corpus, kind):
     root, files = corpus
-    path = (text_corpus.bytelevel_bpe(root / "bpe.json", files) if kind == "bpe"
-            else text_corpus.tiktoken_file(root / "words.tiktoken"))
-    tok = load_tokenizer(str(path))
+    if kind == "bpe":
+        tok = load_tokenizer(str(text_corpus.bytelevel_bpe(root / "bpe.json", files)))
+    else:
+        pattern = text_corpus.PUNCT_NEWLINE_PATTERN if kind == "tiktoken-pattern" else None
+        tok = load_tokenizer(str(text_corpus.tiktoken_file(root / "words.tiktoken")), pattern)
     whole = np.concatenate([tok.encode([f.read_text()])[0] for f in files])
     pieces = list(documents(files, "file", chunk_chars=100))
-    assert len(pieces) > 3 * len(files)  # really cut
-    assert all(not text[:1].isspace() for text, _ in pieces)
+    assert len(pieces) > 3 * len(files)  # really cut, in both places
+    assert any(text[:1] == "\n" for text, _ in pieces) and any(text[-1:] == "\n" for text, _ in pieces)
+    assert "".join(text for text, _ in pieces) == "".join(f.read_text() for f in files)
     ids = np.concatenate(list(batches(iter(pieces), tok, eos=None, batch_chars=300)))
     assert (ids == whole).all()
 
@@ -71,6 +77,7 @@ def test_tiktoken_file_is_read_locally_with_an_end_of_text_token(tmp_path):
     ids = tok.encode(["the cat sat on the mat."])[0]
     # " the" and the other words merged whole; "the" at the start has no merges (bytes), "." neither
     assert ids == [*b"the", *(tok.token_id(w) for w in (" cat", " sat", " on", " the", " mat")), ord(".")]
+    assert tok.encode(["a\n\n"])[0] == [ord("a"), tok.token_id("\n\n")]
     assert eos_id(tok, " dog", str(path)) == tok.token_id(" dog")
 
 

@@ -17,13 +17,16 @@ last full window (fewer than seq_len tokens) is dropped and counted.
 Memory is bounded whatever the corpus: a file is read a line at a time, a
 document is tokenized in pieces of about `CHUNK_CHARS` characters, a batch of
 pieces (`BATCH_CHARS`) at a time, and only the tokens of one batch plus the
-unfinished window are held before ShardWriter writes them out. A piece ends
-just before a line that starts with a non-space character: there the split
-patterns of byte-level BPE (GPT-2, tiktoken) and of whitespace pre-tokenizers
-cut the text anyway, so the pieces give the tokens of the whole document
-(tested); tokenizers that add a prefix space at the start of a text (some
-SentencePiece-style ones) add one per piece. A single line is never split, so
-the longest line bounds memory.
+unfinished window are held before ShardWriter writes them out. Pieces are cut
+where the split patterns of byte-level BPE (GPT-2's, tiktoken's cl100k and
+o200k) and of whitespace pre-tokenizers cut the text anyway: between a line
+that ends in a non-space character and one that starts with one, or before the
+line break of a line that ends in a letter or digit (`_file_pieces`). There
+the pieces give the tokens of the whole document (tested); a run of 4 pieces'
+worth of text with no such place is cut at a line break all the same, and
+tokenizers that add a prefix space at the start of a text (some
+SentencePiece-style ones) add one per piece. A line is never split, so the
+longest line bounds memory.
 """
 from __future__ import annotations
 
@@ -43,8 +46,8 @@ from parallel.config import ConfigError
 from parallel.data.shards.manifest import DEFAULT_SHARD_BYTES, Manifest
 from parallel.data.shards.writer import ShardWriter
 
-CHUNK_CHARS = 1 << 16  # characters of a document tokenized as one piece
-BATCH_CHARS = 1 << 20  # characters tokenized in one call (the tokenizers parallelize over a batch's pieces)
+CHUNK_CHARS = 1 << 15  # characters of a document tokenized as one piece (at least; at most 4x)
+BATCH_CHARS = 1 << 19  # characters tokenized in one call (the tokenizers parallelize over a batch's pieces)
 SPLITS = ("file", "line", "paragraph")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 # Names tokenizers give their end-of-text token, tried in this order when tokenizer_config.json names none.
@@ -213,37 +216,66 @@ def documents(files: list[Path], split: str, read: Callable[[int], None] = lambd
         read: called with the bytes read since its last call, before each piece (progress).
         chunk_chars: a `file` document is cut into pieces of about this many characters.
     """
+    pieces = {"file": _file_pieces, "line": _line_pieces, "paragraph": _paragraph_pieces}[split]
     for path in files:
-        buf: list[str] = []
-        size = unread = 0  # characters in buf; bytes not yet passed to `read`
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                unread += len(raw)
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-                piece = None
-                if split == "line":
-                    piece = line.rstrip("\r\n") if line.strip() else None
-                elif split == "paragraph" and not line.strip():
-                    piece = "".join(buf).rstrip("\r\n") if buf else None
-                    buf, size = [], 0
-                else:
-                    if split == "file" and size >= chunk_chars and not line[:1].isspace():
-                        read(unread - len(raw))
-                        unread = len(raw)
-                        yield "".join(buf), False
-                        buf, size = [], 0
-                    buf.append(line)
-                    size += len(line)
-                if piece is not None:
-                    read(unread)
-                    unread = 0
-                    yield piece, True
-        read(unread)
-        if buf:
-            yield ("".join(buf) if split == "file" else "".join(buf).rstrip("\r\n")), True
+        consumed = [0]  # bytes of `path` read so far
+        reported = 0
+        for piece in pieces(_lines(path, consumed), chunk_chars):
+            read(consumed[0] - reported)
+            reported = consumed[0]
+            yield piece
+        read(consumed[0] - reported)
+
+
+def _lines(path: Path, consumed: list[int]) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            consumed[0] += len(raw)
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _line_pieces(lines: Iterator[str], chunk_chars: int) -> Iterator[tuple[str, bool]]:
+    for line in lines:
+        if line.strip():
+            yield line.rstrip("\r\n"), True
+
+
+def _paragraph_pieces(lines: Iterator[str], chunk_chars: int) -> Iterator[tuple[str, bool]]:
+    buf: list[str] = []
+    for line in chain(lines, [""]):
+        if line.strip():
+            buf.append(line)
+        elif buf:
+            yield "".join(buf).rstrip("\r\n"), True
+            buf = []
+
+
+def _file_pieces(lines: Iterator[str], chunk_chars: int) -> Iterator[tuple[str, bool]]:
+    """A whole file as one document, in pieces cut where the split patterns cut anyway (Note [packing
+    text]) once a piece holds `chunk_chars`: (a) between a line ending in a non-space character and one
+    starting with one; (b) before the line break of a line ending in a letter or digit; (c) at any line
+    break once a piece holds 4 x chunk_chars without either (there the tokens may differ a little)."""
+    buf: list[str] = []
+    size = 0
+    for line in lines:
+        if size >= chunk_chars and buf:
+            body = buf[-1].rstrip("\r\n")
+            if (body and not body[-1].isspace() and line[:1] and not line[:1].isspace()) \
+                    or size >= 4 * chunk_chars:
+                yield "".join(buf), False
+                buf, size = [], 0
+        buf.append(line)
+        size += len(line)
+        body = line.rstrip("\r\n")
+        if size >= chunk_chars and body[-1:].isalnum() and len(body) < len(line):
+            buf[-1] = body
+            yield "".join(buf), False
+            buf, size = [line[len(body):]], len(line) - len(body)
+    if buf:
+        yield "".join(buf), True
 
 
 class Packer:
@@ -378,7 +410,8 @@ def write_text_shards(files: list[Path], tok: Tokenizer, out: str, seq_len: int,
         raise ConfigError(f"split={split!r}: unknown (one of {list(SPLITS)})")
     stats = TextStats(files=len(files), bytes=sum(f.stat().st_size for f in files))
     t0 = time.perf_counter()
-    writer = ShardWriter(out, shard_size, hints={"vocab_size": tok.vocab_size})
+    # 4 MB gathered per write (not the default 16): a few batches' windows; memory is the tokenizer's.
+    writer = ShardWriter(out, shard_size, chunk_bytes=4 << 20, hints={"vocab_size": tok.vocab_size})
     packer = Packer(seq_len, dtype)
     bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress,
                mininterval=0.5, dynamic_ncols=True)
