@@ -35,7 +35,8 @@ def test_a_text_corpus_trains_a_language_model(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_ten_times_the_text_does_not_raise_peak_rss(tmp_path):
+@pytest.mark.parametrize("kind", ["tiktoken", "tokenizer.json"])
+def test_ten_times_the_text_does_not_raise_peak_rss(tmp_path, kind):
     """Peak RSS of make_shards (a child process of its own) over 2 MB of text and over 20 MB: it holds a batch
     of text and its tokens, not the corpus."""
     small = text_corpus.write_corpus(tmp_path / "small", files=200, docs_per_file=50)
@@ -43,7 +44,8 @@ def test_ten_times_the_text_does_not_raise_peak_rss(tmp_path):
     for k in range(10):
         for f in small:
             (tmp_path / "big" / f"{k}-{f.name}").write_bytes(f.read_bytes())
-    tok = text_corpus.tiktoken_file(tmp_path / "words.tiktoken")
+    tok = (text_corpus.tiktoken_file(tmp_path / "words.tiktoken") if kind == "tiktoken"
+           else text_corpus.bytelevel_bpe(tmp_path / "tokenizer.json", small[:20]))
     peak = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     peaks = {}
