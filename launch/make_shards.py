@@ -102,7 +102,8 @@ def from_arrays(args: dict) -> None:
 
 
 def from_text(args: dict) -> None:
-    from parallel.data.shards.text import eos_id, load_tokenizer, text_files, token_dtype, write_text_shards
+    from parallel.data.shards.text import text_files, write_text_shards
+    from parallel.data.shards.tokenizer import eos_id, load_tokenizer, token_dtype
 
     files = text_files(args["text"])  # every check before the first file is read
     tok = load_tokenizer(args["tokenizer"], args["pattern"])

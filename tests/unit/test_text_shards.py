@@ -8,7 +8,8 @@ import torch
 
 from parallel.config import ConfigError, DataConfig
 from parallel.data.shards import Manifest, ShardData, load_tokenizer, text_files, write_text_shards
-from parallel.data.shards.text import Packer, batches, documents, eos_id, token_dtype
+from parallel.data.shards.text import Packer, batches, documents
+from parallel.data.shards.tokenizer import eos_id, token_dtype
 from tests import text_corpus
 
 

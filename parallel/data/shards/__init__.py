@@ -3,7 +3,8 @@ bounded memory (writer.py; text corpora tokenized and packed by text.py: Note [p
 batch at a time (reader.py: Note [shard order])."""
 from parallel.data.shards.manifest import Manifest, ShardError, check_shards, read_hints
 from parallel.data.shards.reader import ShardData
-from parallel.data.shards.text import load_tokenizer, text_files, write_text_shards
+from parallel.data.shards.text import text_files, write_text_shards
+from parallel.data.shards.tokenizer import load_tokenizer
 from parallel.data.shards.writer import ShardWriter, write_shards
 
 __all__ = ["Manifest", "ShardData", "ShardError", "ShardWriter", "check_shards", "load_tokenizer", "read_hints",
