@@ -19,6 +19,11 @@ reading a given sample means scanning its shard; here each data-parallel rank
 reads only its own samples, in any order the shuffle asks for. The manifest is
 written last and atomically, so a directory without one is an unfinished
 write; checksums (CRC-32 per shard) catch corrupt files, sizes truncated ones.
+
+Samples have the fields `features` and `targets`, or one field `tokens`: a
+language model's window of seq_len + 1 token ids, whose first seq_len are the
+inputs and last seq_len the targets (text.py: Note [packing text]), so a token
+is stored once and not twice.
 """
 from __future__ import annotations
 
@@ -77,13 +82,29 @@ class Manifest:
                               f"its fields ({m.dtype.itemsize} bytes)")
         return m
 
+    @property
+    def packed(self) -> bool:
+        """Samples are windows of `tokens` (inputs and shifted targets in one field; Note [shard format])."""
+        return any(f["name"] == "tokens" for f in self.fields)
+
     def field(self, name: str) -> dict:
         for f in self.fields:
             if f["name"] == name:
                 return f
         raise ConfigError(f"data.path={str(self.root)!r}: samples have no field {name!r} "
                           f"(they have {[f['name'] for f in self.fields]}); training reads "
-                          f"'features' and 'targets'")
+                          f"'features' and 'targets', or 'tokens'")
+
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's model input; ConfigError when the fields training reads are missing."""
+        if self.packed:
+            shape = self.field("tokens")["shape"]
+            if len(shape) != 1 or shape[0] < 2:
+                raise ConfigError(f"data.path={str(self.root)!r}: tokens of shape {tuple(shape)}: a window "
+                                  f"needs shape (seq_len + 1,) with seq_len >= 1")
+            return (shape[0] - 1,)
+        self.field("targets")
+        return tuple(self.field("features")["shape"])
 
     def check_files(self, checksums: bool, progress=None) -> None:
         """Every shard present with its size (and, with `checksums`, its CRC-32). Raises ShardError."""
@@ -114,7 +135,7 @@ class Manifest:
 def read_hints(path: str | os.PathLike) -> dict:
     """The task and sizes the dataset's manifest sets (`data.task`, `data.features`, ...)."""
     m = Manifest.load(path)
-    m.field("features"), m.field("targets")
+    m.input_shape()
     hints = m.record.get("hints") or {}
     if not hints:
         fail("data.path", str(path), "the manifest names no task for its features and targets")
@@ -129,9 +150,9 @@ def check_shards(d: DataConfig) -> None:
     if d.verify not in ("size", "checksum"):
         fail("data.verify", d.verify, "unknown check", ["size", "checksum"])
     m = Manifest.load(d.path)
-    x = m.field("features")
-    if d.task != "lm" and len(x["shape"]) != 1:
-        fail("data.path", d.path, f"features of shape {tuple(x['shape'])}: the built-in tasks take one "
+    shape = m.input_shape()
+    if d.task != "lm" and len(shape) != 1:
+        fail("data.path", d.path, f"features of shape {shape}: the built-in tasks take one "
              f"vector of features per sample", "shards written with features of shape (F,)")
     try:
         m.check_files(checksums=d.verify == "checksum")

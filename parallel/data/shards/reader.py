@@ -51,7 +51,7 @@ class ShardData:
     def __init__(self, cfg: DataConfig, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1):
         self.cfg, self.seed, self.batch_size = cfg, seed, batch_size
         self.m = Manifest.load(cfg.path)
-        self.m.field("features"), self.m.field("targets")
+        self.m.input_shape()
         per_rank = batch_size // dp_size
         self.lo, self.hi = dp_rank * per_rank, (dp_rank + 1) * per_rank
         self.window = max(1, cfg.shuffle_buffer)
@@ -151,6 +151,9 @@ class ShardData:
     def _load(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         records = self.read(*self.samples(self.positions(step)))
         n = len(records)
+        if self.m.packed:  # a window of seq_len + 1 tokens: inputs and next-token targets (Note [shard format])
+            tokens = torch.from_numpy(records["tokens"].astype(np.int64))
+            return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         x = torch.from_numpy(np.ascontiguousarray(records["features"])).reshape(n, -1).to(self.x_dtype)
         y = torch.from_numpy(np.ascontiguousarray(records["targets"]))
         y = y.reshape(n) if self.cfg.task == "classification" else y.reshape(n, -1)

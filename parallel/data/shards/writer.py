@@ -18,6 +18,8 @@ from parallel.units import parse_bytes
 
 def _task_hints(fields: dict[str, dict], stats: dict[str, tuple[int, int]]) -> dict:
     """The training task the samples suggest, and its sizes (read into data.* by parallel.config)."""
+    if "tokens" in fields and len(fields["tokens"]["shape"]) == 1:  # LM windows (Note [shard format])
+        return {"task": "lm", "seq_len": fields["tokens"]["shape"][0] - 1, "vocab_size": stats["tokens"][1] + 1}
     if "features" not in fields or "targets" not in fields:
         return {}
     x, y = fields["features"], fields["targets"]
@@ -38,15 +40,17 @@ class ShardWriter:
         out: the dataset directory (created; must not hold a dataset already).
         shard_size: samples per shard, or a size with a unit ("256MB") from which that count follows.
         chunk_bytes: how much is gathered in memory before it is written.
+        hints: task sizes the samples cannot show, over those inferred (a tokenizer's `vocab_size`, which
+            may exceed the largest token written); checked against the data at `close()`.
     """
 
     def __init__(self, out: str | os.PathLike, shard_size: int | str = DEFAULT_SHARD_BYTES,
-                 chunk_bytes: int = 16 << 20):
+                 chunk_bytes: int = 16 << 20, hints: dict | None = None):
         self.out = Path(out)
         if (self.out / MANIFEST).exists():
             raise ConfigError(f"out={str(out)!r}: holds a dataset already (remove it, or write elsewhere)")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.shard_size, self.chunk_bytes = shard_size, chunk_bytes
+        self.shard_size, self.chunk_bytes, self.hints = shard_size, chunk_bytes, dict(hints or {})
         self.dtype: np.dtype | None = None
         self.fields: dict[str, dict] = {}
         self.stats: dict[str, tuple[int, int]] = {}
@@ -156,9 +160,14 @@ class ShardWriter:
             self._flush()
         if self._file is not None:
             self._close_shard()
+        hints = _task_hints(self.fields, self.stats)
+        for key, value in self.hints.items():
+            if key in ("vocab_size", "classes") and key in hints and value < hints[key]:
+                raise ConfigError(f"{key}={value}: the samples hold ids up to {hints[key] - 1}")
+            hints[key] = value
         record = {"format": FORMAT, "version": VERSION, "fields": list(self.fields.values()),
                   "record_bytes": self.dtype.itemsize, "count": self.count, "shard_size": self.rows_per_shard,
-                  "hints": _task_hints(self.fields, self.stats), "shards": self.shards}
+                  "hints": hints, "shards": self.shards}
         tmp = self.out / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, self.out / MANIFEST)
