@@ -11,6 +11,9 @@ the value, the rule and the options.
 """
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -42,6 +45,27 @@ def fail(key: str, value: Any, rule: str, options: Any = None) -> None:
     if options is not None:
         msg += f" (valid: {options})"
     raise ConfigError(msg)
+
+
+def error_text(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def import_target(key: str, target: Any) -> Any:
+    """What a dotted path 'package.module.name' (a config's `_target_`) names; a ConfigError naming `key`
+    when it is not a dotted path or does not import. The directory the run was started in is searched
+    last, so a user's module beside their command line is found as `python -m` would find it."""
+    if not isinstance(target, str) or "." not in target.strip("."):
+        fail(key, target, "must be a dotted path 'package.module.name'")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    mod_name, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        fail(key, target, f"cannot be imported ({error_text(e)})")
 
 
 @dataclass

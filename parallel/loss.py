@@ -33,14 +33,13 @@ counts of all its batches and divides once (`Loss.score`).
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.config import LOSS_REDUCTIONS, LossConfig, fail
+from parallel.config import LOSS_REDUCTIONS, LossConfig, fail, import_target
 
 
 def logits_of(out) -> torch.Tensor:
@@ -86,13 +85,7 @@ def resolve_loss_fn(c: LossConfig):
     ConfigError."""
     if not c._target_:
         return None
-    mod_name, _, attr = c._target_.rpartition(".")
-    if not mod_name:
-        fail("loss._target_", c._target_, "must be a dotted path 'package.module.function'")
-    try:
-        fn = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        fail("loss._target_", c._target_, f"cannot be imported ({type(e).__name__}: {e})")
+    fn = import_target("loss._target_", c._target_)
     if not callable(fn):
         fail("loss._target_", c._target_, "is not callable")
     return fn

@@ -24,14 +24,13 @@ its own idea of the length (e.g. CosineAnnealingLR's T_max in its args).
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from parallel.config import Config, OptimConfig, fail
+from parallel.config import Config, OptimConfig, fail, import_target
 
 
 def decay_start(o: OptimConfig, steps: int) -> int:
@@ -72,12 +71,7 @@ def _factor(o: OptimConfig, steps: int):
 def scheduler_class(o: OptimConfig) -> type:
     """The class optim.scheduler._target_ names. Raises ConfigError."""
     target = o.scheduler._target_
-    mod_name, _, attr = target.rpartition(".")
-    cls = None
-    try:
-        cls = getattr(importlib.import_module(mod_name), attr) if mod_name else None
-    except (ImportError, AttributeError) as e:
-        fail("optim.scheduler._target_", target, f"cannot be imported ({type(e).__name__}: {e})")
+    cls = import_target("optim.scheduler._target_", target)
     if not (isinstance(cls, type) and issubclass(cls, LRScheduler)) or cls is torch.optim.lr_scheduler.ReduceLROnPlateau:
         fail("optim.scheduler._target_", target, "must name a torch.optim.lr_scheduler.LRScheduler class stepped "
              "once per optimizer step (ReduceLROnPlateau, which needs a metric, is not one)",

@@ -21,7 +21,6 @@ the groups and shards each group's state over data-parallel ranks.
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import inspect
 
 import torch
@@ -30,19 +29,14 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from parallel.config import Config, OptimConfig, fail, lr_scales
+from parallel.config import Config, OptimConfig, fail, import_target, lr_scales
 
 
 def optimizer_class(o: OptimConfig) -> type:
     """The optimizer class `optim._target_` names (AdamW when unset). Raises ConfigError."""
     if o._target_ is None:
         return torch.optim.AdamW
-    mod_name, _, attr = o._target_.rpartition(".")
-    cls = None
-    try:
-        cls = getattr(importlib.import_module(mod_name), attr) if mod_name else None
-    except (ImportError, AttributeError) as e:
-        fail("optim._target_", o._target_, f"cannot be imported ({type(e).__name__}: {e})")
+    cls = import_target("optim._target_", o._target_)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         fail("optim._target_", o._target_, "must name a torch.optim.Optimizer subclass ('package.module.Class')",
              "e.g. torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW")

@@ -3,14 +3,13 @@ checks that it can be built, initialized and fed the configured data (run once, 
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import inspect
 import os
 
 import torch
 from torch import nn
 
-from parallel.config import INITS, Config, ConfigError, ModelConfig, fail
+from parallel.config import INITS, Config, ConfigError, ModelConfig, fail, import_target
 from parallel.data import example_input
 from parallel.init import check_initializable
 from parallel.loss import logits_of
@@ -22,13 +21,7 @@ from parallel.tensors import meta_forward
 def resolve_factory(m: ModelConfig):
     """The callable that builds the model: a built-in, or the user's `_target_`."""
     if m._target_:
-        mod_name, _, attr = m._target_.rpartition(".")
-        if not mod_name:
-            fail("model._target_", m._target_, "must be a dotted path 'package.module.callable'")
-        try:
-            factory = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as e:
-            fail("model._target_", m._target_, f"cannot be imported ({type(e).__name__}: {e})")
+        factory = import_target("model._target_", m._target_)
         if not callable(factory):
             fail("model._target_", m._target_, "is not callable")
         return factory

@@ -2,7 +2,6 @@
 says about the task and the sizes (read before the workers start, as data=shards reads its manifest)."""
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
@@ -10,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from parallel.config import TASKS, ConfigError, fail
+from parallel.config import TASKS, ConfigError, error_text, fail, import_target
 
 # The fields a dict sample is read from when data.input_key / data.target_key are not set, first found first
 # (Hugging Face's names for token ids and images, then the plain x / y).
@@ -20,22 +19,10 @@ TARGET_KEYS = ("labels", "y")
 
 def import_callable(key: str, target: Any) -> Callable:
     """The callable a dotted path 'package.module.name' names; a ConfigError naming `key` otherwise."""
-    if not isinstance(target, str) or "." not in target:
-        fail(key, target, "must be a dotted path 'package.module.callable'")
-    mod_name, _, attr = target.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        fail(key, target, f"cannot be imported ({error_text(e)})")
+    found = import_target(key, target)
     if not callable(found):
         fail(key, target, "is not callable")
     return found
-
-
-def error_text(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def _hf(obj: Any, name: str) -> bool:

@@ -7,13 +7,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from parallel.config import ConfigError, DataConfig, fail
+from parallel.config import ConfigError, DataConfig, error_text, fail
 from parallel.data.custom.dataset import (
     Collate,
     _count,
     _spec,
     build_dataset,
-    error_text,
     first_sample,
     import_callable,
     infer_task,
