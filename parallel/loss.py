@@ -91,6 +91,17 @@ def resolve_loss_fn(c: LossConfig):
     return fn
 
 
+# The weight of one sample's auxiliary loss in the step being trained (Note [auxiliary loss] in
+# parallel/models/moe.py): set by `Loss.start_step`, which every engine calls before its first forward.
+_aux_weight: list[float | None] = [None]
+
+
+def aux_sample_weight() -> float | None:
+    """What one sample's auxiliary term is multiplied by in backward this step, as the main loss's terms are
+    (Note [global loss]): the gradient-averaging scale over the global batch's samples; None outside a step."""
+    return _aux_weight[0]
+
+
 class Loss:
     """The run's loss (Note [global loss]).
 
@@ -134,6 +145,7 @@ class Loss:
             else:
                 dist.all_reduce(total, group=group)
         self.total = total.clamp(min=1)
+        _aux_weight[0] = scale / (targets.shape[0] * size)
 
     def __call__(self, out, targets: torch.Tensor) -> torch.Tensor:
         """A microbatch's contribution to the step's loss, times `scale`: what backward differentiates."""

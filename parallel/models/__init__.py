@@ -3,6 +3,7 @@ from parallel.models.cnn import build_cnn
 from parallel.models.gpt import build_gpt
 from parallel.models.local import build_local
 from parallel.models.mlp import build_mlp
+from parallel.models.moe import build_moe
 from parallel.models.stacked import build_stacked
 
 MODELS = {
@@ -11,4 +12,5 @@ MODELS = {
     "cnn": build_cnn,
     "stacked": build_stacked,
     "local": build_local,
+    "moe": build_moe,
 }

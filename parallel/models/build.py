@@ -117,7 +117,8 @@ def check_model_takes_data(cfg: Config):
     d = cfg.data
     key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
         ("data.task", d.task, f"data.task={d.task}'s")
-    hint = " (model=gpt takes data.task=lm)" if d.name == "synthetic" and cfg.model.name == "gpt" else ""
+    hint = f" (model={cfg.model.name} takes data.task=lm)" if d.name == "synthetic" and cfg.model.name in ("gpt", "moe") \
+        else ""
     shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
     if d.name == "custom":  # the fields read from the first sample: name them
         key, value, what = "data.input_key", d.input_key, f"the dataset's {d.task}"

@@ -20,8 +20,15 @@ from parallel.runtime import Runtime
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the children of its ModuleLists."""
-    return [m for child in model.modules() if isinstance(child, nn.ModuleList) for m in child]
+    """The repeated blocks of a model: the children of its outermost ModuleLists (a ModuleList inside a block,
+    such as a mixture-of-experts layer's experts, belongs to that block's unit)."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for child in model.modules():  # parents before their children
+        if isinstance(child, nn.ModuleList) and id(child) not in inside:
+            blocks += list(child)
+            inside |= {id(m) for b in child for m in b.modules()}
+    return blocks
 
 
 def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:

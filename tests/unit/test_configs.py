@@ -13,6 +13,7 @@ from parallel.validate import to_config, validate
 CONF = Path(__file__).resolve().parents[2] / "conf"
 EXTRA = {("model", "custom"): ["model._target_=tests.user_model.two_tower"],
          ("model", "gpt"): ["data.task=lm"],
+         ("model", "moe"): ["data.task=lm"],
          ("model", "cnn"): ["data.task=classification", "data.features=64"],
          ("data", "custom"): ["data._target_=tests.user_data.regression"],
          ("strategy", "data"): []}

@@ -1,0 +1,231 @@
+"""The built-in `moe` model: the `gpt` transformer with mixture-of-experts MLPs, and the MoE layer's pieces.
+
+# Note [moe layer]
+A mixture-of-experts layer is a `router` (a module: tokens (n, dim) -> one logit per expert (n, E)), its
+`experts` (an nn.ModuleList of E modules, each (m, dim) -> (m, dim)) and `top_k`. It routes with `route`
+(top-k of the router's logits, softmax over the chosen k, a per-sequence capacity) and computes the experts
+with `run_experts(self.experts, tokens, route)`. `MoE` below is one; a user's layer that holds `router`,
+`experts` and `top_k` under these names and calls `run_experts` works under every strategy, expert
+parallelism included: `strategy.ep` swaps `experts` for this rank's share (parallel.strategies.expert), whose
+`run_experts` sends each token to its expert's rank and back. The experts keep their names (`experts.3.up`)
+whatever the sharding, so checkpoints move between degrees.
+
+`run_experts` groups the kept (token, choice) pairs by expert and runs every expert once on its group (an
+empty one too: data parallelism's hooks run in every expert on every rank). On fake tensors (the planner,
+the pipeline's trace) the group sizes are not known, so every expert runs on every token, weighted by a
+gate that is 0 where it was not chosen: the same values, E / top_k times the expert work. A pipeline's
+traced stages run that way (strategy=pipeline; strategy=hybrid runs the model's own blocks).
+
+# Note [auxiliary loss]
+The load-balancing loss (Switch / GShard: E * sum_e f_e * p_e, f_e the fraction of routed choices that went
+to expert e, p_e the mean router probability of e) is taken per SEQUENCE and averaged over the sequences of
+the global batch (as DeepSeek's sequence-wise balance loss), times `aux_coef`, per layer. A batch-wide f_e
+would depend on how the batch is cut into microbatches and ranks, and no split would train what `single`
+trains; a sequence's own term does not, so the sum over the global batch is exact under data parallelism,
+accumulation and pipelines (parallel/loss.py Note [global loss] holds the same for the main loss).
+
+It reaches the gradients without passing through the model's output: the layer ties its sequences' summed
+term to its output with `AuxGradient`, the identity forward whose backward adds the term's gradient times
+the weight of one sequence. The engines do not change and the output stays one tensor (a pipeline stage
+sends only activations; the aux terms of stage 0 never travel to the last stage). The weight is the one
+`Loss.start_step` sets for the step (`aux_sample_weight`: the loss's gradient-averaging scale over the global
+batch's sample count), or 1 / (the forward's sequences) outside an engine (a plain PyTorch loop). The logged
+`loss` is the main loss alone; the aux term is logged as `moe_aux_loss` (parallel.models.moe_stats). The
+capacity is per sequence for the same reason: ceil(capacity_factor * seq_len * top_k / E) choices per
+expert and sequence, the earlier positions first (every first choice before any second one).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._guards import detect_fake_mode
+
+from parallel.loss import aux_sample_weight
+from parallel.models.gpt import GPT, Attention, FeedForward
+
+
+@dataclass
+class Route:
+    """Where each token goes: `chosen` (n, k) expert ids, `weights` (n, k) their gates (0 where dropped),
+    `kept` (n, k) within capacity, `probs` (n, E) the router's softmax, `seqs` the sequences of the n tokens."""
+
+    chosen: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    probs: torch.Tensor
+    seqs: int
+
+    @property
+    def experts(self) -> int:
+        return self.probs.shape[-1]
+
+
+def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None = None) -> Route:
+    """Top-k routing of (b, t, E) router logits: softmax over the chosen k; with a capacity factor, each
+    expert takes at most ceil(capacity_factor * t * k / E) choices per sequence (Note [auxiliary loss])."""
+    b, t, e = logits.shape
+    top, chosen = logits.float().topk(top_k, dim=-1)
+    weights = top.softmax(-1)
+    kept = torch.ones_like(chosen, dtype=torch.bool)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * t * top_k / e)
+        # Each choice's place in its expert's queue within its sequence: choices in (slot, position) order.
+        onehot = F.one_hot(chosen.transpose(1, 2).reshape(b, top_k * t), e)
+        place = ((onehot.cumsum(1) - 1) * onehot).sum(-1).view(b, top_k, t).transpose(1, 2)
+        kept = place < capacity
+        weights = weights * kept
+    probs = logits.float().softmax(-1)
+    return Route(chosen.reshape(b * t, top_k), weights.reshape(b * t, top_k), kept.reshape(b * t, top_k),
+                 probs.reshape(b * t, e), b)
+
+
+def balance_loss(r: Route) -> torch.Tensor:
+    """The load-balancing term summed over the sequences: sum_s E * sum_e f_se * p_se (Note [auxiliary loss])."""
+    e, k = r.experts, r.chosen.shape[1]
+    counts = torch.zeros(r.seqs, r.chosen.shape[0] // r.seqs * k, e, device=r.probs.device)
+    share = counts.scatter_(2, r.chosen.view(r.seqs, -1, 1), 1.0).mean(1)  # f_se: (s, E)
+    mean_prob = r.probs.view(r.seqs, -1, e).mean(1)  # p_se
+    return e * (share * mean_prob).sum()
+
+
+class AuxGradient(torch.autograd.Function):
+    """`out` unchanged; backward also gives `aux` the gradient `weight` (Note [auxiliary loss])."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.aux_shape = aux.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.aux_shape, ctx.weight, device=grad.device, dtype=torch.float32), None
+
+
+def with_aux_loss(out: torch.Tensor, aux_sum: torch.Tensor, coef: float, seqs: int) -> torch.Tensor:
+    """`out` carrying `coef x aux_sum` into backward, weighted per sequence as the step's loss is."""
+    weight = aux_sample_weight()
+    weight = 1.0 / seqs if weight is None else weight
+    return AuxGradient.apply(out, aux_sum.float(), coef * weight)
+
+
+def _static(t: torch.Tensor) -> bool:
+    """Group sizes cannot be read: fake or meta tensors, or a trace (Note [moe layer])."""
+    return t.is_meta or detect_fake_mode(t) is not None or torch.compiler.is_exporting()
+
+
+def run_experts(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tensor:
+    """sum_k weight_k x expert_k(token) for every token of `tokens` (n, dim) (Note [moe layer]).
+
+    Args:
+        experts: the layer's nn.ModuleList, or this rank's share of it under expert parallelism.
+    """
+    n, k = r.chosen.shape
+    if _static(tokens):
+        gates = torch.zeros(n, r.experts, device=tokens.device, dtype=r.weights.dtype)
+        gates = gates.scatter_add(1, r.chosen, r.weights)
+        out = torch.zeros_like(tokens)
+        for i in range(r.experts):
+            out = out + gates[:, i:i + 1].to(tokens.dtype) * experts[i](tokens)  # every expert: any sharding
+        return out
+    pick = r.kept.flatten().nonzero().squeeze(1)  # the kept (token, choice) pairs
+    flat = r.chosen.flatten()
+    order = pick[torch.argsort(flat[pick], stable=True)]  # grouped by expert, token order within
+    token_of = order // k
+    counts = torch.bincount(flat[order], minlength=r.experts)
+    grouped = getattr(experts, "grouped", None)
+    if grouped is not None:  # this rank's share under expert parallelism
+        ys = grouped(tokens[token_of], counts)
+    else:
+        chunks = tokens[token_of].split(counts.tolist())
+        ys = torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
+    ys = ys * r.weights.flatten()[order].unsqueeze(1).to(ys.dtype)
+    return torch.zeros_like(tokens).index_add(0, token_of, ys)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP (Note [moe layer]): `router`, E `experts` (gpt's FeedForward), top-k gating,
+    the load-balancing loss (Note [auxiliary loss]) and an optional capacity factor.
+
+    Args:
+        dim: the model width; hidden: each expert's hidden width; experts: E; top_k: experts per token;
+        capacity_factor: None (no token dropped) or > 0; aux_coef: the load-balancing loss's weight.
+    """
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 2,
+                 capacity_factor: float | None = None, aux_coef: float = 0.01):
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(experts))
+        self.top_k, self.capacity_factor, self.aux_coef = top_k, capacity_factor, aux_coef
+        self.stats: dict[str, torch.Tensor] = {}  # what moe_stats reads at a logged step (training only)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        r = route(self.router(x), self.top_k, self.capacity_factor)
+        out = run_experts(self.experts, x.reshape(b * t, d), r).view(b, t, d)
+        if not self.training or not torch.is_grad_enabled() or _static(x):
+            return out
+        aux = balance_loss(r)
+        record(self.stats, r, aux.detach() * self.aux_coef)
+        return with_aux_loss(out, aux, self.aux_coef, b) if self.aux_coef else out
+
+
+def record(stats: dict, r: Route, aux: torch.Tensor) -> None:
+    """Add a training forward's routing to `stats`: choices per expert, dropped choices, sequences and their
+    summed (weighted) aux term; moe_stats reads and clears them."""
+    with torch.no_grad():
+        add = {"tokens": torch.bincount(r.chosen[r.kept], minlength=r.experts).double(),
+               "dropped": (~r.kept).sum().double().view(1), "seqs": torch.full((1,), r.seqs, dtype=torch.float64),
+               "aux": aux.double().view(1)}
+        for key, value in add.items():
+            value = value.to(r.probs.device)
+            stats[key] = stats[key] + value if key in stats else value
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int, experts: int, top_k: int,
+                 capacity_factor: float | None, aux_coef: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MoE(dim, mlp_ratio * dim, experts, top_k, capacity_factor, aux_coef)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class MoEGPT(GPT):
+    """gpt with MoE blocks (token ids in, next-token logits out)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, heads: int, layers: int, mlp_ratio: int,
+                 experts: int, top_k: int, capacity_factor: float | None, aux_coef: float,
+                 tie_embeddings: bool = False):
+        super().__init__(vocab_size, seq_len, dim, heads, 0, mlp_ratio, tie_embeddings)
+        self.blocks = nn.ModuleList(MoEBlock(dim, heads, mlp_ratio, experts, top_k, capacity_factor, aux_coef)
+                                    for _ in range(layers))
+
+    def tp_plan(self, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+        """gpt's plan for the attention and the head; the experts and routers stay whole (replicated)."""
+        if sequence_parallel:
+            raise ValueError("strategy.sequence_parallel is not supported by model=moe")
+        plan = super().tp_plan(tp)
+        return {k: v for k, v in plan.items() if ".mlp." not in k}
+
+
+def build_moe(vocab_size: int = 64, seq_len: int = 32, dim: int = 64, heads: int = 4, layers: int = 2,
+              mlp_ratio: int = 2, experts: int = 4, top_k: int = 2, capacity_factor: float | None = None,
+              aux_coef: float = 0.01, tie_embeddings: bool = False) -> MoEGPT:
+    """The built-in `moe` model: gpt whose MLPs are mixtures of `experts` experts, `top_k` per token."""
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"model.args.top_k={top_k} must be in [1, model.args.experts={experts}]")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"model.args.capacity_factor={capacity_factor} must be > 0 (or null: no capacity)")
+    return MoEGPT(vocab_size, seq_len, dim, heads, layers, mlp_ratio, experts, top_k, capacity_factor, aux_coef,
+                  tie_embeddings)
