@@ -25,7 +25,7 @@ trains; a sequence's own term does not, so the sum over the global batch is exac
 accumulation and pipelines (parallel/loss.py Note [global loss] holds the same for the main loss).
 
 It reaches the gradients without passing through the model's output: the layer ties its sequences' summed
-term to its output with `AuxGradient`, the identity forward whose backward adds the term's gradient times
+term to its output with `aux_gradient`, the identity forward whose backward adds the term's gradient times
 the weight of one sequence. The engines do not change and the output stays one tensor (a pipeline stage
 sends only activations; the aux terms of stage 0 never travel to the last stage). The weight is the one
 `Loss.start_step` sets for the step (`aux_sample_weight`: the loss's gradient-averaging scale over the global
@@ -92,25 +92,39 @@ def balance_loss(r: Route) -> torch.Tensor:
     return e * (share * mean_prob).sum()
 
 
-class AuxGradient(torch.autograd.Function):
-    """`out` unchanged; backward also gives `aux` the gradient `weight` (Note [auxiliary loss])."""
+# A custom op rather than an autograd.Function: torch.export (the pipeline's trace) keeps a custom op as one
+# call with its backward, where it inlines a Function's forward and drops its backward. The op copies `out`
+# (an op's output may not alias its input); the weight is read in backward, at run time, not at the trace.
+@torch.library.custom_op("parallel::aux_gradient", mutates_args=())
+def aux_gradient(out: torch.Tensor, aux: torch.Tensor, coef: float, seqs: int) -> torch.Tensor:
+    """`out` unchanged; backward also gives `aux` the gradient coef x the weight of a sequence (Note
+    [auxiliary loss]): `aux_sample_weight()` in an engine's step, 1 / seqs outside one."""
+    return out.clone()
 
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.weight = weight
-        ctx.aux_shape = aux.shape
-        return out.view_as(out)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full(ctx.aux_shape, ctx.weight, device=grad.device, dtype=torch.float32), None
+@aux_gradient.register_fake
+def _(out, aux, coef, seqs):
+    return torch.empty_like(out)
+
+
+def _aux_setup(ctx, inputs, output):
+    _, aux, ctx.coef, ctx.seqs = inputs
+    ctx.aux_meta = (aux.shape, aux.dtype)
+
+
+def _aux_backward(ctx, grad):
+    weight = aux_sample_weight()
+    weight = 1.0 / ctx.seqs if weight is None else weight
+    shape, dtype = ctx.aux_meta
+    return grad, torch.full(shape, ctx.coef * weight, device=grad.device, dtype=dtype), None, None
+
+
+aux_gradient.register_autograd(_aux_backward, setup_context=_aux_setup)
 
 
 def with_aux_loss(out: torch.Tensor, aux_sum: torch.Tensor, coef: float, seqs: int) -> torch.Tensor:
-    """`out` carrying `coef x aux_sum` into backward, weighted per sequence as the step's loss is."""
-    weight = aux_sample_weight()
-    weight = 1.0 / seqs if weight is None else weight
-    return AuxGradient.apply(out, aux_sum.float(), coef * weight)
+    """`out` carrying `coef x aux_sum` (summed over `seqs` sequences) into backward (Note [auxiliary loss])."""
+    return aux_gradient(out, aux_sum.float(), float(coef), int(seqs))
 
 
 def _static(t: torch.Tensor) -> bool:
@@ -168,10 +182,11 @@ class MoE(nn.Module):
         b, t, d = x.shape
         r = route(self.router(x), self.top_k, self.capacity_factor)
         out = run_experts(self.experts, x.reshape(b * t, d), r).view(b, t, d)
-        if not self.training or not torch.is_grad_enabled() or _static(x):
+        if not self.training or not torch.is_grad_enabled():
             return out
         aux = balance_loss(r)
-        record(self.stats, r, aux.detach() * self.aux_coef)
+        if not _static(x):
+            record(self.stats, r, aux.detach() * self.aux_coef)
         return with_aux_loss(out, aux, self.aux_coef, b) if self.aux_coef else out
 
 
