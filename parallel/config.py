@@ -95,6 +95,12 @@ class StrategyConfig:
     # Shard norms, dropout and the residual stream along the sequence between
     # tensor-parallel layers (built-in transformer only).
     sequence_parallel: bool = False
+    # Context-parallel degree (ranks splitting each sample's sequence); None: the world size under
+    # strategy=context, 1 under hybrid.
+    cp: Optional[int] = None
+    # Expert-parallel degree (ranks splitting a mixture-of-experts layer's experts); None: the world size under
+    # strategy=expert, 1 under hybrid.
+    ep: Optional[int] = None
     # Offload (one device): the tier each kind lives on: device, cpu, disk, auto (the
     # tier below the device); activations also checkpoint (recompute in backward),
     # which every other strategy takes too (per block: parallel.strategies.recompute).

@@ -1,4 +1,19 @@
-"""Parallel degrees and the named DeviceMesh built from them."""
+"""Parallel degrees and the named DeviceMesh built from them.
+
+# Note [mesh dimensions]
+The mesh is (dp, ep, pp, cp, tp), tp innermost; every dimension is always present (size 1 when unused), so
+`mesh["cp"]` and `mesh["ep"]` always work. What each dimension splits:
+
+    dp  the global batch (whole samples)
+    ep  the global batch too, and the experts of a mixture-of-experts layer
+    pp  the layers (pipeline stages)
+    cp  each sample's sequence (context parallelism); cp ranks read the same samples
+    tp  each layer's weights
+
+The dense (non-expert) weights are data-parallel over dp x ep x cp (`data_mesh`): every rank of that flattened
+submesh holds the same dense pieces and computes gradients over different tokens. A batch is split over
+dp x ep (`batch_mesh`).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +22,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import ConfigError, StrategyConfig
+
+NAMES = ("dp", "ep", "pp", "cp", "tp")  # Note [mesh dimensions]: outermost first
+# The single dimension each plain strategy spreads over (hybrid takes them all; the others stay 1).
+SPREAD = {"single": None, "data": "dp", "pipeline": "pp", "model": "tp", "context": "cp", "expert": "ep"}
 
 
 @dataclass(frozen=True)
@@ -17,6 +36,8 @@ class ParallelDims:
     pp: int
     tp: int
     world_size: int
+    cp: int = 1
+    ep: int = 1
 
     @classmethod
     def from_config(cls, s: StrategyConfig, world_size: int) -> "ParallelDims":
@@ -26,17 +47,16 @@ class ParallelDims:
             s: the strategy config (degrees may be None).
             world_size: the number of workers.
         """
-        for key in ("dp", "pp", "tp"):
+        for key in NAMES:
             value = getattr(s, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"strategy.{key}={value!r}: must be an integer >= 1")
-        degrees = {"dp": s.dp, "pp": s.pp, "tp": s.tp}
+        degrees = {key: getattr(s, key) for key in NAMES}
         if s.name == "hybrid":
             degrees = _derive_hybrid(degrees, world_size)
             spread = "dp"
         else:
-            # The other strategies spread over one dimension; the others stay 1.
-            spread = {"single": None, "data": "dp", "pipeline": "pp", "model": "tp"}.get(s.name)
+            spread = SPREAD.get(s.name)
             for key, value in degrees.items():
                 if key != spread and value not in (None, 1):
                     raise ConfigError(f"strategy.{key}={value}: strategy={s.name} does not use a {key} dimension "
@@ -45,27 +65,28 @@ class ParallelDims:
                     degrees[key] = 1
             if spread is not None and degrees[spread] is None:
                 degrees[spread] = world_size
-        product = degrees["dp"] * degrees["pp"] * degrees["tp"]
+        product = 1
+        for value in degrees.values():
+            product *= value
         if product != world_size:
             label = "strategy=hybrid" if s.name == "hybrid" else f"strategy.{spread or 'dp'}={degrees[spread or 'dp']}"
-            raise ConfigError(
-                f"{label}: the degrees must multiply to the world size: "
-                f"dp {degrees['dp']} x pp {degrees['pp']} x tp {degrees['tp']} = {product} != world size "
-                f"{world_size} (leave degrees unset to derive them)")
-        return cls(dp=degrees["dp"], pp=degrees["pp"], tp=degrees["tp"], world_size=world_size)
+            arithmetic = " x ".join(f"{k} {v}" for k, v in degrees.items())
+            raise ConfigError(f"{label}: the degrees must multiply to the world size: {arithmetic} = {product} "
+                              f"!= world size {world_size} (leave degrees unset to derive them)")
+        return cls(world_size=world_size, **degrees)
 
     @classmethod
     def of(cls, s: StrategyConfig, world_size: int) -> "ParallelDims":
         """The degrees of a resolved config (parallel.validate.resolve filled them in)."""
-        return cls(dp=s.dp, pp=s.pp, tp=s.tp, world_size=world_size)
+        return cls(dp=s.dp, pp=s.pp, tp=s.tp, cp=s.cp or 1, ep=s.ep or 1, world_size=world_size)
 
     @property
     def names(self) -> tuple[str, ...]:
-        return ("dp", "pp", "tp")
+        return NAMES
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.dp, self.pp, self.tp)
+        return tuple(getattr(self, key) for key in NAMES)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh over all ranks (needs an initialized process group).
@@ -76,20 +97,46 @@ class ParallelDims:
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
 
 
+def _flat(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
+    """The 1-D mesh over the ranks of `names` (Note [mesh dimensions]); mesh["dp"] itself when the others are 1.
+
+    DeviceMesh's `_flatten` (the way torchtitan builds its dp_shard_cp mesh; torch 2.13 has no public spelling)
+    makes the flattened mesh once per name, with process groups of its own: the data-parallel collectives then
+    never share a group with context or expert parallelism's exchanges.
+    """
+    if all(mesh[n].size() == 1 for n in names[1:]):
+        return mesh[names[0]]
+    return mesh[names]._flatten(name)
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that hold the same dense weights: dp x ep x cp, flattened (Note [mesh dimensions])."""
+    return _flat(mesh, ("dp", "ep", "cp"), "dp_ep_cp")
+
+
+def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that each read their own share of the global batch: dp x ep, flattened."""
+    return _flat(mesh, ("dp", "ep"), "dp_ep")
+
+
 def _derive_hybrid(degrees: dict, world_size: int) -> dict:
     """Fill unset hybrid degrees.
 
-    One unset degree takes what the others leave of the world size. With dp
-    unset among several, the other unset ones are 1 and dp takes the rest. With
-    dp set and both pp and tp unset, the split of the rest is the user's to say.
+    Unset cp and ep are 1 (context and expert parallelism are asked for by name). Then one unset degree takes
+    what the others leave of the world size. With dp unset among several, the other unset ones are 1 and dp
+    takes the rest. With dp set and both pp and tp unset, the split of the rest is the user's to say.
     """
+    for key in ("cp", "ep"):
+        if degrees[key] is None:
+            degrees[key] = 1
     unset = [k for k, v in degrees.items() if v is None]
     if len(unset) > 1:
         if degrees["dp"] is not None:
-            if degrees["dp"] != world_size:
-                raise ConfigError(f"strategy.pp=None, strategy.tp=None: dp {degrees['dp']} leaves "
-                                  f"{world_size / degrees['dp']:g} of the world size {world_size} to pipeline and "
-                                  f"tensor parallelism; set strategy.pp or strategy.tp")
+            given = degrees["dp"] * degrees["ep"] * degrees["cp"]
+            if given != world_size:
+                raise ConfigError(f"strategy.pp=None, strategy.tp=None: dp {degrees['dp']} x ep {degrees['ep']} x "
+                                  f"cp {degrees['cp']} leaves {world_size / given:g} of the world size {world_size} "
+                                  f"to pipeline and tensor parallelism; set strategy.pp or strategy.tp")
             unset = ["pp"]
             degrees["tp"] = 1
         else:

@@ -84,7 +84,7 @@ from torch.utils.flop_counter import flop_registry
 
 from parallel.config import Config, cuda_run
 from parallel.data import planned_data
-from parallel.dims import ParallelDims
+from parallel.dims import ParallelDims, batch_mesh
 from parallel.init import Blank
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
@@ -273,13 +273,10 @@ class _ModuleWatch:
 
 
 def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
-    """(the rank planned, the ranks sharing its role): one per pipeline stage; dp and tp ranks are alike."""
-    out = []
-    for stage in range(dims.pp):
-        rank = stage * dims.tp  # dp 0, this stage, tp 0 (mesh order dp, pp, tp)
-        same = [d * dims.pp * dims.tp + stage * dims.tp + t for d in range(dims.dp) for t in range(dims.tp)]
-        out.append((rank, same))
-    return out
+    """(the rank planned, the ranks sharing its role): one per pipeline stage; dp, ep, cp and tp ranks are
+    alike (mesh order dp, ep, pp, cp, tp: Note [mesh dimensions] in parallel/dims.py)."""
+    grid = torch.arange(dims.world_size).reshape(dims.shape).movedim(dims.names.index("pp"), 0)
+    return [(int(ranks.flatten()[0]), ranks.flatten().tolist()) for ranks in grid]
 
 
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False) -> RankPlan:
@@ -294,10 +291,11 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         # built under the fake mode off meta fails), and the data (it reads values too).
         mesh = dims.build_mesh(device.type)
         model = build_meta_model(cfg.model)
-        dp_rank = mesh["dp"].get_local_rank()
+        batch = batch_mesh(mesh)
         # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them) and
         # data=custom (zeros shaped as its first sample): the plan reads no dataset.
-        data = planned_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
+        data = planned_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, batch.get_local_rank(),
+                            batch.size())
         ddp, io = DDPStandIn(), CountingIO()
         runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
                           executor=lambda workers, name: InlineExecutor(), replicate=ddp.replicate,
@@ -326,7 +324,7 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                     activations=k["activations"], temp=k["temp"], total=tracker.peak + buckets,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
                     flops=flops_per_step, ops=ops_per_step,
-                    comm_bytes=comm.bytes + 2 * buckets if dims.dp > 1 else comm.bytes, io_bytes=moved)
+                    comm_bytes=comm.bytes + 2 * buckets if dims.dp * dims.ep * dims.cp > 1 else comm.bytes, io_bytes=moved)
 
 
 class Flops(TorchDispatchMode):

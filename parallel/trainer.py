@@ -21,7 +21,7 @@ from tqdm import tqdm
 from parallel import checkpoint, evaluation
 from parallel.config import Config
 from parallel.data import DataSource, build_data, build_eval_data
-from parallel.dims import ParallelDims
+from parallel.dims import ParallelDims, batch_mesh, data_mesh
 from parallel.engine import Engine
 from parallel.init import ByName, InitPlan, init_plan
 from parallel.lr_schedule import build_scheduler
@@ -84,14 +84,18 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
         runtime = dataclasses.replace(runtime, values=values)
     engine = parallelize(model, mesh, cfg, runtime, plan)
     names = param_names(engine.state_modules(), {name: entry.canonical for name, entry in plan.items()})
-    optimizer = engine.make_optimizer(names) or build_optimizer(engine.model, names, cfg, mesh["dp"].get_group())
-    dp_rank = mesh["dp"].get_local_rank()
+    optimizer = engine.make_optimizer(names) or build_optimizer(engine.model, names, cfg,
+                                                                data_mesh(mesh).get_group())
+    # Each dp x ep rank reads its share of the global batch; cp ranks read the same samples (Note [mesh
+    # dimensions] in parallel/dims.py).
+    batch = batch_mesh(mesh)
+    dp_rank, dp_size = batch.get_local_rank(), batch.size()
     if data is None:
-        data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp)
-    # The loss lives where the engine computes it; one such rank logs (dp and tp rank 0).
-    is_logger = engine.holds_loss and dp_rank == 0 and mesh["tp"].get_local_rank() == 0
+        data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size)
+    # The loss lives where the engine computes it; one such rank logs (dp, ep, cp and tp rank 0).
+    is_logger = engine.holds_loss and dp_rank == 0 and all(mesh[k].get_local_rank() == 0 for k in ("cp", "tp"))
     rng_seed = stream_seed(cfg.trainer.seed, dp_rank, mesh["pp"].get_local_rank())
-    eval_data = build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dims.dp) \
+    eval_data = build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size) \
         if cfg.trainer.eval_every else None
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
                rng_seed=rng_seed, eval_data=eval_data)

@@ -44,7 +44,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
     place. Idempotent: a resolved config resolves to itself."""
     s = cfg.strategy
     dims = ParallelDims.from_config(s, world_size)
-    s.dp, s.pp, s.tp = dims.dp, dims.pp, dims.tp
+    s.dp, s.ep, s.pp, s.cp, s.tp = dims.dp, dims.ep, dims.pp, dims.cp, dims.tp
     if pipelined(s):
         name = schedules.canonical(s.schedule)
         if name is None:
@@ -112,15 +112,18 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def _check_batch(cfg: Config) -> int:
-    """The global batch divides over dp ranks and grad_accum micro-steps; returns the per-rank batch."""
+    """The global batch divides over the dp x ep ranks (Note [mesh dimensions]) and grad_accum micro-steps;
+    returns the per-rank batch."""
     t, s = cfg.trainer, cfg.strategy
-    per_rank = t.batch_size // s.dp
-    if t.batch_size % s.dp:
-        fail("trainer.batch_size", t.batch_size, f"the global batch must divide by the data-parallel degree {s.dp}",
-             f"a multiple of {s.dp}")
+    ranks = s.dp * s.ep
+    degree = f"dp {s.dp}" if s.ep == 1 else f"dp {s.dp} x ep {s.ep}"
+    per_rank = t.batch_size // ranks
+    if t.batch_size % ranks:
+        fail("trainer.batch_size", t.batch_size, f"the global batch must divide by the data-parallel degree "
+             f"{degree}", f"a multiple of {ranks}")
     if per_rank % t.grad_accum:
         fail("trainer.grad_accum", t.grad_accum,
-             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / dp {s.dp})",
+             f"must divide the per-rank batch {per_rank} (= trainer.batch_size {t.batch_size} / {degree})",
              [d for d in range(1, per_rank + 1) if per_rank % d == 0])
     return per_rank
 

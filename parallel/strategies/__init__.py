@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.batchnorm import batchnorm_warning
 from parallel.config import BALANCES, ZERO_LEVELS, Config, fail
+from parallel.dims import data_mesh
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
@@ -37,7 +38,7 @@ def _local(apply):
         model = apply(model, mesh, cfg, runtime)
         materialize_and_init(model, runtime.device, plan, runtime.values)
         loss = build_loss(cfg.loss, cfg.data.task)
-        return LocalEngine(model, cfg, loss, mesh["dp"].get_group(), runtime.device)
+        return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device)
 
     return build
 

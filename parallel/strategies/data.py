@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 
 from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
+from parallel.dims import data_mesh
 from parallel.runtime import Runtime
 
 
@@ -32,8 +33,9 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
-    """Replicate or shard `model` over the mesh's `dp` dimension, in place."""
-    dp_mesh = mesh["dp"]
+    """Replicate or shard `model` over the dense weights' data-parallel ranks, in place (the mesh's dp
+    dimension; dp x ep x cp where those are used, Note [mesh dimensions] in parallel/dims.py)."""
+    dp_mesh = data_mesh(mesh)
     if cfg.strategy.sync_batchnorm:  # Note [batch norm]: before DDP or FSDP2 wrap the layers
         sync_batchnorm(model, dp_mesh.get_group())
     if cfg.strategy.zero <= 1:

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
+from parallel.dims import batch_mesh, data_mesh
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
@@ -50,8 +51,9 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 
 def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, zero: int) -> None:
-    """Step 3: FSDP2 units over the mesh's dp dimension, one per block, then `module` itself."""
-    dp_mesh = mesh["dp"]
+    """Step 3: FSDP2 units over the dense weights' data-parallel ranks (dp x ep x cp, Note [mesh dimensions] in
+    parallel/dims.py), one per block, then `module` itself."""
+    dp_mesh = data_mesh(mesh)
     if zero == 0:
         # FSDP2's replicate, not strategy=data's DDP: DDP does not take the
         # DTensor parameters tensor parallelism leaves, nor the per-microbatch
@@ -72,9 +74,9 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     def pieces(module: nn.Module, blocks: list[nn.Module]) -> None:  # steps 2 and 3, on one module
         if s.tp > 1:
             shard(module, mesh, tp_plan)
-        if s.dp > 1:
+        if data_mesh(mesh).size() > 1:
             if s.sync_batchnorm:  # Note [batch norm]: BatchNorm statistics over the dp ranks
-                sync_batchnorm(module, mesh["dp"].get_group())
+                sync_batchnorm(module, batch_mesh(mesh).get_group())
             data_parallel(module, blocks, mesh, s.zero)
 
     if s.pp > 1:
@@ -85,4 +87,4 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     pieces(model, blocks_of(model))
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
-    return LocalEngine(model, cfg, loss, mesh["dp"].get_group(), runtime.device)
+    return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device)

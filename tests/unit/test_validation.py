@@ -125,10 +125,40 @@ def test_user_model_with_own_init_rule_passes():
 
 
 def test_degrees_message_shows_the_arithmetic():
-    with pytest.raises(ConfigError, match=r"dp 3 x pp 1 x tp 1 = 3 != world size 4"):
+    with pytest.raises(ConfigError, match=r"dp 3 x ep 1 x pp 1 x cp 1 x tp 1 = 3 != world size 4"):
         ParallelDims.from_config(StrategyConfig(name="data", dp=3), 4)
-    with pytest.raises(ConfigError, match=r"dp 2 x pp 2 x tp 2 = 8 != world size 4"):
+    with pytest.raises(ConfigError, match=r"dp 2 x ep 1 x pp 2 x cp 1 x tp 2 = 8 != world size 4"):
         ParallelDims.from_config(StrategyConfig(name="hybrid", dp=2, pp=2, tp=2), 4)
+
+
+def test_degrees_message_shows_all_five_dimensions():
+    with pytest.raises(ConfigError, match=r"strategy=hybrid: .*dp 2 x ep 1 x pp 1 x cp 2 x tp 1 = 4 != world size 8"):
+        ParallelDims.from_config(StrategyConfig(name="hybrid", dp=2, cp=2, pp=1, tp=1), 8)
+    with pytest.raises(ConfigError, match=r"strategy.cp=3: .*dp 1 x ep 1 x pp 1 x cp 3 x tp 1 = 3 != world size 4"):
+        ParallelDims.from_config(StrategyConfig(name="context", cp=3), 4)
+    with pytest.raises(ConfigError, match=r"strategy.tp=2: strategy=context does not use a tp dimension"):
+        ParallelDims.from_config(StrategyConfig(name="context", tp=2), 4)
+
+
+@pytest.mark.parametrize("name,given,derived", [
+    ("context", dict(), dict(cp=4, dp=1)),  # context spreads over cp alone
+    ("hybrid", dict(dp=2, cp=2), dict(dp=2, cp=2, pp=1, tp=1, ep=1)),  # dp x cp make the world: pp = tp = 1
+    ("hybrid", dict(cp=2), dict(dp=2, cp=2)),  # dp takes what cp leaves
+    ("hybrid", dict(cp=2, tp=2), dict(dp=1, cp=2, tp=2)),
+])
+def test_cp_degrees_derive(name, given, derived):
+    dims = ParallelDims.from_config(StrategyConfig(name=name, **given), 4)
+    assert {k: getattr(dims, k) for k in derived} == derived
+
+
+def test_mesh_order_and_planner_roles():
+    from parallel.planner import roles
+
+    dims = ParallelDims(dp=2, pp=2, tp=1, cp=2, ep=1, world_size=8)
+    assert dims.names == ("dp", "ep", "pp", "cp", "tp") and dims.shape == (2, 1, 2, 2, 1)
+    # mesh order dp, ep, pp, cp, tp: pp stage 0 holds the ranks whose pp coordinate is 0
+    assert roles(dims) == [(0, [0, 1, 4, 5]), (2, [2, 3, 6, 7])]
+    assert roles(ParallelDims(dp=2, pp=2, tp=2, world_size=8)) == [(0, [0, 1, 4, 5]), (2, [2, 3, 6, 7])]
 
 
 @pytest.mark.parametrize("given,derived", [

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from parallel.config import Config
+from parallel.dims import batch_mesh, data_mesh
 from parallel.engine import Engine, evaluating, grad_average
 from parallel.init import InitPlan
 from parallel.loss import Loss, build_loss
@@ -45,7 +46,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
             a sharded layer). Used only when the shapes are given up front
             (`runtime.static_shapes`), where every stage is shaped on a copy.
     """
-    split = plan_split(model, cfg, mesh["dp"].size(), runtime)
+    split = plan_split(model, cfg, batch_mesh(mesh).size(), runtime)
     log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
              format_split(split))
     compute_time = ComputeTime()
@@ -88,7 +89,7 @@ class PipelineEngine(Engine):
         self.has_first = any(st.is_first for st in stages)
         self.has_last = any(st.is_last for st in stages)
         self.holds_loss = self.has_last
-        self.loss_group = mesh["dp"].get_group()
+        self.loss_group = data_mesh(mesh).get_group()  # Note [mesh dimensions] in parallel/dims.py
         self.pp_group = mesh["pp"].get_group()
         self.compute_time = compute_time
         self.step_time = 0.0

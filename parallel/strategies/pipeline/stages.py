@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from parallel.config import Config, ConfigError
+from parallel.dims import batch_mesh
 from parallel.init import InitPlan, materialize_and_init
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import schedules
@@ -144,7 +145,7 @@ def _static_shapes(split: Split, chained: list[fx.GraphModule], mesh: DeviceMesh
             _drop_unused(gm, split.blocks)
             eager_blocks(gm, model, split.blocks)
             shape_transform(gm)
-    return stage_shapes(shaped, example_microbatch(cfg, mesh["dp"].size()))
+    return stage_shapes(shaped, example_microbatch(cfg, batch_mesh(mesh).size()))
 
 
 def eager_blocks(stage: fx.GraphModule, model: nn.Module, names: list[str]) -> list[nn.Module]:
