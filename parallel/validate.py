@@ -22,6 +22,7 @@ from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
 from parallel.optim import check_optimizer
 from parallel.strategies import check_strategy
+from parallel.strategies.expert import check_experts
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
 from parallel.strategies.tensor import check_plan, check_tensor_keys
 
@@ -102,6 +103,8 @@ def validate(cfg: Config, world_size: int) -> None:
         check_sync_batchnorm(cfg, build_meta_model(cfg.model))
     if cfg.trainer.resume is not None:
         check_resume(cfg)
+    if s.ep > 1:
+        check_experts(build_meta_model(cfg.model), s.ep)
     if tensor_parallel(s):
         check_plan(build_meta_model(cfg.model), cfg)
     if pipelined(s):

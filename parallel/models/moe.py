@@ -143,8 +143,9 @@ def run_experts(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Ten
         gates = torch.zeros(n, r.experts, device=tokens.device, dtype=r.weights.dtype)
         gates = gates.scatter_add(1, r.chosen, r.weights)
         out = torch.zeros_like(tokens)
-        for i in range(r.experts):
-            out = out + gates[:, i:i + 1].to(tokens.dtype) * experts[i](tokens)  # every expert: any sharding
+        held = experts.items() if isinstance(experts, nn.ModuleDict) else enumerate(experts)  # a shard: its own
+        for i, expert in held:
+            out = out + gates[:, int(i):int(i) + 1].to(tokens.dtype) * expert(tokens)
         return out
     pick = r.kept.flatten().nonzero().squeeze(1)  # the kept (token, choice) pairs
     flat = r.chosen.flatten()

@@ -49,6 +49,7 @@ STRATEGIES = {
     "pipeline": build_pipeline,
     "model": _local(apply_tensor),
     "hybrid": build_hybrid,  # the order it applies the pieces in: parallel.strategies.hybrid
+    "expert": build_hybrid,  # hybrid over the ep dimension alone (parallel.strategies.expert)
     "offload": build_offload,
 }
 
@@ -80,8 +81,8 @@ def check_strategy(cfg: Config, world_size: int) -> None:
     if s.name == "single" and world_size != 1:
         fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
              "strategy=data or strategy=pipeline for several processes")
-    if s.name not in ("data", "hybrid") and s.zero != 0:
-        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data or strategy=hybrid")
+    if s.name not in ("data", "hybrid", "expert") and s.zero != 0:
+        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data, hybrid or expert")
     if s.balance not in BALANCES:
         fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
     check_tensor_keys(s, s.name in ("model", "hybrid"))

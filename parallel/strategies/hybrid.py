@@ -35,11 +35,12 @@ from torch.distributed.fsdp import fully_shard
 from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
 from parallel.dims import batch_mesh, data_mesh
-from parallel.engine import Engine, LocalEngine
+from parallel.engine import Engine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
 from parallel.runtime import Runtime
 from parallel.strategies.data import blocks_of
+from parallel.strategies.expert import expert_engine, shard_experts
 from parallel.strategies.pipeline import build_pipeline
 from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.tensor import shard, tensor_plan
@@ -74,6 +75,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     def pieces(module: nn.Module, blocks: list[nn.Module]) -> None:  # steps 2 and 3, on one module
         if s.tp > 1:
             shard(module, mesh, tp_plan)
+        if s.ep > 1:  # before the blocks' data-parallel units, which leave the experts' own units out
+            shard_experts(module, mesh, s.zero)
         if data_mesh(mesh).size() > 1:
             if s.sync_batchnorm:  # Note [batch norm]: BatchNorm statistics over the dp ranks
                 sync_batchnorm(module, batch_mesh(mesh).get_group())
@@ -87,4 +90,4 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     pieces(model, blocks_of(model))
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
-    return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device)
+    return expert_engine(model, cfg, loss, mesh, data_mesh(mesh).get_group(), runtime.device)

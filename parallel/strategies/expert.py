@@ -1,0 +1,180 @@
+"""Expert parallelism (`strategy.ep`): each mixture-of-experts layer's experts split over the ep ranks, tokens
+sent to their experts' ranks and back with all-to-all.
+
+# Note [expert parallelism]
+Every layer that follows the MoE interface (Note [moe layer] in parallel/models/moe.py: `router`, `experts`,
+`top_k`, `run_experts`) keeps E / ep of its experts on each ep rank, the contiguous run rank x E/ep ..
+(rank + 1) x E/ep - 1, in an `ExpertShard`: a ModuleDict keyed by the experts' own indices, so their names
+(`experts.3.up.weight`) are the unpartitioned model's and checkpoints move between degrees. The ep ranks read
+different samples (the batch is split over dp x ep, Note [mesh dimensions] in parallel/dims.py), so the dense
+weights are data-parallel over dp x ep like any other data-parallel weights; the experts are data-parallel
+over dp only (each expert its own unit over mesh["dp"], before the block's unit, which then leaves it out).
+
+A layer's step: each rank groups its (token, choice) pairs by expert (run_experts), tells every ep rank how
+many it sends to each of that rank's experts (an all-to-all of counts), sends the tokens (all-to-all with
+those split sizes: PyTorch's autograd all-to-all, which runs on gloo), runs each of its experts once on what
+every rank sent it, and sends the outputs back the same way. The outputs come back in the order the tokens
+left, so the weighted sum per token adds in the same order as on one device.
+
+Gradients: every rank's loss is scaled by the dense weights' averaging degree dp x ep (Note [global loss] in
+parallel/loss.py), and an expert sums the tokens of all ep ranks, then is averaged over dp only: its
+gradient would be ep times too large. The expert side divides the gradient reaching the experts by ep and
+multiplies the one leaving them (to the tokens) by ep again, which is exact for powers of two. The gradient
+norm sums the expert part over the ep ranks (and the pipeline's stages), the dense part as before.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from parallel.config import Config, fail
+from parallel.engine import LocalEngine
+from parallel.optim import clip_grads
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The (name, module) of every layer with a `router` and an nn.ModuleList (or shard) of `experts`."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "router", None), nn.Module)
+            and isinstance(getattr(m, "experts", None), (nn.ModuleList, ExpertShard))]
+
+
+def check_experts(model: nn.Module, ep: int) -> None:
+    """strategy.ep > 1 needs MoE layers whose expert count divides by ep (before any worker starts)."""
+    layers = moe_layers(model)
+    if not layers:
+        fail("strategy.ep", ep, f"{type(model).__name__} has no mixture-of-experts layer to split over expert "
+             "ranks (a module with a `router` and an nn.ModuleList of `experts`, Note [moe layer])",
+             ["1", "model=moe", "a model whose MoE layers follow that interface"])
+    for name, layer in layers:
+        if len(layer.experts) % ep:
+            fail("strategy.ep", ep, f"must divide the number of experts: {name} has {len(layer.experts)}",
+                 [d for d in range(1, len(layer.experts) + 1) if len(layer.experts) % d == 0])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor` (Note [expert parallelism])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+class ExpertShard(nn.ModuleDict):
+    """This rank's experts of one layer, keyed by their indices in the whole layer (Note [expert parallelism]).
+
+    Args:
+        experts: the layer's nn.ModuleList (all E, on meta); group: the ep process group.
+    """
+
+    def __init__(self, experts: nn.ModuleList, group):
+        self.total, self.ep, self.rank = len(experts), dist.get_world_size(group), dist.get_rank(group)
+        per = self.total // self.ep
+        held = range(self.rank * per, (self.rank + 1) * per)
+        super().__init__({str(i): experts[i] for i in held})
+        self.group, self.per = group, per
+
+    def __len__(self) -> int:
+        return self.total  # the layer's expert count, as its ModuleList had
+
+    def held(self) -> list[int]:
+        return [int(k) for k in self.keys()]
+
+    def grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for `xs`, this rank's tokens grouped by expert (`counts` per expert), in the
+        same order; every ep rank calls it together."""
+        ep, per = self.ep, self.per
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)  # [source, my expert]
+        send = counts.view(ep, per).sum(1).tolist()
+        got = recv_counts.view(ep, per)
+        recv = all_to_all_single_autograd(xs, got.sum(1).tolist(), send, self.group)
+        recv = _ScaleGrad.apply(recv, float(ep))
+        pieces = recv.split(got.flatten().tolist())  # (source, expert) order
+        outs = []
+        for j, expert in enumerate(self.values()):  # every expert, on an empty batch too
+            y = expert(torch.cat([pieces[s * per + j] for s in range(ep)]))
+            outs.append(_ScaleGrad.apply(y, 1.0 / ep).split(got[:, j].tolist()))
+        back = torch.cat([outs[j][s] for s in range(ep) for j in range(per)])
+        return all_to_all_single_autograd(back, send, got.sum(1).tolist(), self.group)
+
+
+def shard_experts(module: nn.Module, mesh: DeviceMesh, zero: int) -> list[ExpertShard]:
+    """Swap each MoE layer's experts in `module` for this rank's `ExpertShard` and make each shard a
+    expert a data-parallel unit over mesh["dp"] (replicated for zero 0, sharded otherwise); returns the shards."""
+    group, dp_mesh = mesh["ep"].get_group(), mesh["dp"]
+    shards = []
+    for _, layer in moe_layers(module):
+        layer.experts = ExpertShard(layer.experts, group)
+        # A unit per expert (FSDP2 takes modules with a forward, not containers), even over one dp rank: the
+        # block's unit over dp x ep must leave the experts out. Every expert runs at every step (run_experts).
+        for expert in layer.experts.values():
+            if zero == 0:
+                replicate(expert, mesh=dp_mesh)
+            else:
+                fully_shard(expert, mesh=dp_mesh, reshard_after_forward=zero == 3)
+        shards.append(layer.experts)
+    return shards
+
+
+def expert_params(modules: list[nn.Module]) -> set[int]:
+    """ids of the parameters held in ExpertShards."""
+    return {id(p) for module in modules for m in module.modules() if isinstance(m, ExpertShard)
+            for p in m.parameters()}
+
+
+class ExpertEngine(LocalEngine):
+    """LocalEngine with expert-sharded layers: the gradient norm and the gathered weights take every ep rank's
+    experts (Note [expert parallelism])."""
+
+    def __init__(self, *args, mesh: DeviceMesh, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ep_group = mesh["ep"].get_group()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        experts = expert_params([self.model])
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        dense = clip_grads([p.grad for p in params if id(p) not in experts], 0)
+        mine = clip_grads([p.grad for p in params if id(p) in experts], 0, sum_group=self.ep_group)
+        norm = (dense.float() ** 2 + mine.float() ** 2).sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    def full_state_dict(self) -> dict:
+        """The unpartitioned weights on rank 0: the dense ones gathered by torch, the experts from every ep rank."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        mine = {}
+        for prefix, m in self.model.named_modules():
+            if isinstance(m, ExpertShard):
+                for k, v in m.state_dict(prefix=f"{prefix}.").items():
+                    mine[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return {}
+        for part in parts:
+            state.update(part)
+        return state
+
+
+def expert_engine(model: nn.Module, cfg: Config, loss, mesh: DeviceMesh, group, device) -> LocalEngine:
+    """The engine of a model without a pipeline: ExpertEngine when ep > 1."""
+    if mesh["ep"].size() == 1:
+        return LocalEngine(model, cfg, loss, group, device)
+    return ExpertEngine(model, cfg, loss, group, device, mesh=mesh)
