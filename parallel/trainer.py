@@ -28,6 +28,7 @@ from parallel.lr_schedule import build_scheduler
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss
 from parallel.models import weights
 from parallel.models.build import build_meta_model
+from parallel.models.moe_stats import moe_record
 from parallel.optim import all_sum, build_optimizer, param_names
 from parallel.runtime import Runtime
 from parallel.seeding import seed_all, stream_seed
@@ -225,6 +226,7 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
         "samples_per_s": t.batch_size / step_time,
     }
     record.update(run.engine.metrics())
+    record.update(moe_record(run.engine.state_modules(), run.cfg.strategy.tp or 1))
     record.update(memory_record(memory))
     record.update(state_record(run))
     record.update(evals or {})

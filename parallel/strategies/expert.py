@@ -46,8 +46,12 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and isinstance(getattr(m, "experts", None), (nn.ModuleList, ExpertShard))]
 
 
-def check_experts(model: nn.Module, ep: int) -> None:
-    """strategy.ep > 1 needs MoE layers whose expert count divides by ep (before any worker starts)."""
+def check_experts(model: nn.Module, ep: int, pp: int = 1) -> None:
+    """strategy.ep > 1 needs MoE layers whose expert count divides by ep, and no pipeline yet (its gradient
+    norm does not sum the experts over the ep ranks); checked before any worker starts."""
+    if pp > 1:
+        fail("strategy.ep", ep, f"expert parallelism does not combine with a pipeline (pp {pp}) yet",
+             ["strategy.pp=1", "strategy.ep=1 with model=moe under pp"])
     layers = moe_layers(model)
     if not layers:
         fail("strategy.ep", ep, f"{type(model).__name__} has no mixture-of-experts layer to split over expert "
