@@ -104,7 +104,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.trainer.resume is not None:
         check_resume(cfg)
     if s.ep > 1:
-        check_experts(build_meta_model(cfg.model), s.ep, s.pp)
+        check_experts(build_meta_model(cfg.model), s.ep)
     if tensor_parallel(s):
         check_plan(build_meta_model(cfg.model), cfg)
     if pipelined(s):

@@ -46,12 +46,8 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and isinstance(getattr(m, "experts", None), (nn.ModuleList, ExpertShard))]
 
 
-def check_experts(model: nn.Module, ep: int, pp: int = 1) -> None:
-    """strategy.ep > 1 needs MoE layers whose expert count divides by ep, and no pipeline yet (its gradient
-    norm does not sum the experts over the ep ranks); checked before any worker starts."""
-    if pp > 1:
-        fail("strategy.ep", ep, f"expert parallelism does not combine with a pipeline (pp {pp}) yet",
-             ["strategy.pp=1", "strategy.ep=1 with model=moe under pp"])
+def check_experts(model: nn.Module, ep: int) -> None:
+    """strategy.ep > 1 needs MoE layers whose expert count divides by ep (before any worker starts)."""
     layers = moe_layers(model)
     if not layers:
         fail("strategy.ep", ep, f"{type(model).__name__} has no mixture-of-experts layer to split over expert "
@@ -139,6 +135,27 @@ def expert_params(modules: list[nn.Module]) -> set[int]:
             for p in m.parameters()}
 
 
+@torch.no_grad()
+def clip_with_experts(modules: list[nn.Module], max_norm: float, ep_group, sum_group=None,
+                      skip: set[int] = frozenset()) -> torch.Tensor:
+    """The global gradient norm (clipped to `max_norm` when > 0) of `modules` holding ExpertShards (Note [expert
+    parallelism]): the experts' squares summed over `ep_group`, then everything over `sum_group` (a pipeline's
+    stages); `skip`: ids of parameters whose gradients are clipped but not counted (a tied weight's copies)."""
+    experts = expert_params(modules)
+    params = [p for m in modules for p in m.parameters() if p.grad is not None]
+    dense = clip_grads([p.grad for p in params if id(p) not in experts and id(p) not in skip], 0)
+    mine = clip_grads([p.grad for p in params if id(p) in experts], 0, sum_group=ep_group)
+    square = dense.float() ** 2 + mine.float() ** 2
+    if sum_group is not None and dist.get_world_size(sum_group) > 1:
+        dist.all_reduce(square, group=sum_group)
+    norm = square.sqrt()
+    if max_norm > 0:  # as clip_grads scales them
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef)
+    return norm
+
+
 class ExpertEngine(LocalEngine):
     """LocalEngine with expert-sharded layers: the gradient norm and the gathered weights take every ep rank's
     experts (Note [expert parallelism])."""
@@ -148,16 +165,7 @@ class ExpertEngine(LocalEngine):
         self.ep_group = mesh["ep"].get_group()
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        experts = expert_params([self.model])
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        dense = clip_grads([p.grad for p in params if id(p) not in experts], 0)
-        mine = clip_grads([p.grad for p in params if id(p) in experts], 0, sum_group=self.ep_group)
-        norm = (dense.float() ** 2 + mine.float() ** 2).sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in params:
-                p.grad.mul_(coef)
-        return norm
+        return clip_with_experts([self.model], max_norm, self.ep_group)
 
     def full_state_dict(self) -> dict:
         """The unpartitioned weights on rank 0: the dense ones gathered by torch, the experts from every ep rank."""

@@ -1,5 +1,5 @@
 """model=moe trains to the same numbers as strategy=single under data parallelism, pipelines and expert
-parallelism (ep alone, dp x ep), and a checkpoint saved at ep 2 resumes on one process."""
+parallelism (ep alone, dp x ep, ep x pp, ep x tp), and a checkpoint saved at ep 2 resumes on one process."""
 import pytest
 import torch
 
@@ -14,6 +14,8 @@ CASES = {
     "pipeline": (["strategy=pipeline"], 2),
     "ep2": (["strategy=expert"], 2),
     "dp2_ep2_zero3": (["strategy=hybrid", "strategy.dp=2", "strategy.ep=2", "strategy.zero=3"], 4),
+    "ep2_pp2": (["strategy=hybrid", "strategy.dp=1", "strategy.ep=2", "strategy.pp=2"], 4),
+    "ep2_tp2": (["strategy=hybrid", "strategy.dp=1", "strategy.ep=2", "strategy.tp=2"], 4),
 }
 
 

@@ -69,11 +69,6 @@ def test_ep_must_divide_the_experts():
         validate(cfg, 8)
 
 
-def test_ep_with_a_pipeline_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"^strategy.ep=2: expert parallelism does not combine with a pipeline"):
-        validate(_moe(name="hybrid", ep=2, pp=2, dp=1), 4)
-
-
 def test_ep_needs_a_model_with_experts():
     cfg = Config()
     cfg.model.args = {"in_features": 32, "out_features": 4}

@@ -25,6 +25,7 @@ from parallel.loss import Loss, build_loss
 from parallel.metrics import gather_floats, log
 from parallel.optim import clip_grads
 from parallel.runtime import Runtime
+from parallel.strategies.expert import clip_with_experts
 from parallel.strategies.pipeline import schedules
 from parallel.strategies.pipeline.split import Split, format_split, microbatches, plan_split
 from parallel.strategies.pipeline.stages import ComputeTime, TiedCopy, TimedStage, build_stages
@@ -159,6 +160,8 @@ class PipelineEngine(Engine):
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global grad norm over all stages (a tied weight counted once), clipped when max_norm > 0."""
         skip = {id(p) for t in self.tied for i, p in enumerate(t.params) if not (t.owner and i == 0)}
+        if self.mesh["ep"].size() > 1:  # experts differ across the ep ranks (Note [expert parallelism])
+            return clip_with_experts(list(self.model), max_norm, self.mesh["ep"].get_group(), self.pp_group, skip)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         counted = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in skip]
         return clip_grads(grads, max_norm, counted=counted, sum_group=self.pp_group)
