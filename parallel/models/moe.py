@@ -11,10 +11,12 @@ parallelism included: `strategy.ep` swaps `experts` for this rank's share (paral
 whatever the sharding, so checkpoints move between degrees.
 
 `run_experts` groups the kept (token, choice) pairs by expert and runs every expert once on its group (an
-empty one too: data parallelism's hooks run in every expert on every rank). On fake tensors (the planner,
-the pipeline's trace) the group sizes are not known, so every expert runs on every token, weighted by a
+empty one too: data parallelism's hooks run in every expert on every rank). In a trace (the pipeline's, on
+meta or fake tensors) the group sizes are not known, so every expert runs on every token, weighted by a
 gate that is 0 where it was not chosen: the same values, E / top_k times the expert work. A pipeline's
-traced stages run that way (strategy=pipeline; strategy=hybrid runs the model's own blocks).
+traced stages run that way (strategy=pipeline; strategy=hybrid runs the model's own blocks) and keep no
+routing figures. The planner (fake tensors, no trace) runs each expert on an even share of the tokens:
+the shapes of a balanced step.
 
 # Note [auxiliary loss]
 The load-balancing loss (Switch / GShard: E * sum_e f_e * p_e, f_e the fraction of routed choices that went
@@ -139,6 +141,8 @@ def run_experts(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Ten
         experts: the layer's nn.ModuleList, or this rank's share of it under expert parallelism.
     """
     n, k = r.chosen.shape
+    if _static(tokens) and not torch.compiler.is_exporting() and not tokens.is_meta:
+        return _balanced(experts, tokens, r)
     if _static(tokens):
         gates = torch.zeros(n, r.experts, device=tokens.device, dtype=r.weights.dtype)
         gates = gates.scatter_add(1, r.chosen, r.weights)
@@ -160,6 +164,21 @@ def run_experts(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Ten
         ys = torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
     ys = ys * r.weights.flatten()[order].unsqueeze(1).to(ys.dtype)
     return torch.zeros_like(tokens).index_add(0, token_of, ys)
+
+
+def _balanced(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tensor:
+    """The planner's stand-in for the routed computation (fake tensors: the shapes of a step, not its values):
+    each expert this rank holds runs on an even share of the choices of every rank that sends it tokens, and
+    the outputs are added back per token, as the routed path does (Note [moe layer])."""
+    n, k = r.chosen.shape
+    senders = getattr(experts, "ep", 1)
+    rows = -(-n * k * senders // r.experts)  # ceil: a balanced router's choices per expert
+    pick = torch.arange(rows, device=tokens.device) % n
+    held = experts.values() if isinstance(experts, nn.ModuleDict) else experts
+    ys = torch.cat([expert(tokens[pick]) for expert in held])
+    picks = pick.repeat(len(held))
+    ys = ys * r.weights.flatten()[picks].unsqueeze(1).to(ys.dtype)
+    return torch.zeros_like(tokens).index_add(0, picks % n, ys)
 
 
 class MoE(nn.Module):
