@@ -136,8 +136,10 @@ class Metrics:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(_tb_name(key), value, step)
             elif isinstance(value, list):
-                for rank, v in enumerate(value):
-                    self.writer.add_scalar(f"{_tb_name(key)}/rank{rank}", v, step)
+                # Lists are per rank, but a mixture-of-experts layer's figures are per layer or per expert.
+                item = "layer" if key.endswith("_per_layer") else "expert" if key.endswith("_per_expert") else "rank"
+                for i, v in enumerate(value):
+                    self.writer.add_scalar(f"{_tb_name(key)}/{item}{i}", v, step)
 
     def close(self) -> None:
         if self.is_logger:
@@ -152,6 +154,8 @@ def _tb_name(key: str) -> str:
         return f"eval/{key.removeprefix('eval_')}"
     if key.startswith(("mem_", "rss_")):
         return f"memory/{key}"
+    if key.startswith("moe_"):
+        return f"moe/{key.removeprefix('moe_').removesuffix('_per_layer')}"
     if key.startswith("offload_"):
         return f"offload/{key.removeprefix('offload_')}"
     if key.endswith("time_s"):

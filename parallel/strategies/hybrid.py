@@ -76,7 +76,11 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         if s.tp > 1:
             shard(module, mesh, tp_plan)
         if s.ep > 1:  # before the blocks' data-parallel units, which leave the experts' own units out
-            shard_experts(module, mesh, s.zero)
+            # Experts may be a model's only ModuleList: neither this rank's (their own units) nor the others'
+            # (no longer in the model) are blocks.
+            held = {id(e) for shard in shard_experts(module, mesh, s.zero) for e in shard.values()}
+            present = {id(m) for m in module.modules()}
+            blocks = [b for b in blocks if id(b) in present and id(b) not in held]
         if data_mesh(mesh).size() > 1:
             if s.sync_batchnorm:  # Note [batch norm]: BatchNorm statistics over the dp ranks
                 sync_batchnorm(module, batch_mesh(mesh).get_group())

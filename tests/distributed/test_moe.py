@@ -52,3 +52,11 @@ def test_checkpoint_at_ep2_resumes_on_one_process(reference, tmp_path):
     assert sorted(got) == sorted(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_a_users_moe_layer_trains_under_ep(reference, tmp_path):
+    """A user's own layer with `router` and `experts`, written to the interface, splits its experts over ep."""
+    user = ["model=custom", "model._target_=tests.user_model.moe_regressor"]
+    cli.run(cli.FAST + user + ["strategy=expert", "nproc=2", f"run_dir={tmp_path}"], cwd=tmp_path, timeout=240)
+    cli.assert_same_training(tmp_path, reference(cli.FAST + user))
