@@ -7,7 +7,10 @@ Candidates for W workers (the other strategy keys keep their defaults):
     W > 1   data with zero 0, 1, 2, 3; model (tensor parallel over W); pipeline
             over W (balanced by parameters, so the run cuts where the plan did);
             hybrid for every factorization of W into two degrees: dp x pp and
-            dp x tp, each with zero 0 and 3. Every candidate with a pipeline is
+            dp x tp, each with zero 0 and 3; for a model with mixture-of-experts
+            layers also expert parallelism: ep over W and dp x ep, with zero 0
+            and 3 (the plan holds each rank's experts and a balanced share of the
+            tokens; its all-to-all is not counted in comm). Every candidate with a pipeline is
             tried with m = p, 2p and 4p microbatches (p pipeline ranks) unless
             strategy.microbatches is given.
     any     a candidate (not offload) over the budget is tried again with its
@@ -54,7 +57,9 @@ import torch
 
 from parallel.config import Config, ConfigError, StrategyConfig, pipelined
 from parallel.memory.budget import budget_bytes
+from parallel.models.build import build_meta_model
 from parallel.planner import Flops, plan
+from parallel.strategies.expert import moe_layers
 from parallel.strategies.pipeline.schedules import analytic_bubble
 from parallel.validate import validate
 
@@ -68,8 +73,9 @@ class Candidate:
     dropped: str | None = None  # why it does not run
 
 
-def candidates(world: int, microbatches: int | None = None) -> list[Candidate]:
-    """The strategies tried for `world` workers (Note [auto]); `microbatches`: the user's, when given."""
+def candidates(world: int, microbatches: int | None = None, experts: bool = False) -> list[Candidate]:
+    """The strategies tried for `world` workers (Note [auto]); `microbatches`: the user's, when given;
+    `experts`: the model has mixture-of-experts layers (expert parallelism is tried too)."""
     if world == 1:
         return [Candidate("single", ["strategy=single"])] + [
             Candidate(f"offload, activations {a}", ["strategy=offload", f"strategy.activations={a}"])
@@ -92,6 +98,10 @@ def candidates(world: int, microbatches: int | None = None) -> list[Candidate]:
             out += pipelined(f"hybrid dp{a} x pp{b} zero {z}",
                              [*common, f"strategy.pp={b}", "strategy.balance=params"], b)
             out.append(Candidate(f"hybrid dp{a} x tp{b} zero {z}", [*common, f"strategy.tp={b}"]))
+            if experts:
+                out.append(Candidate(f"hybrid dp{a} x ep{b} zero {z}", [*common, f"strategy.ep={b}"]))
+    if experts:
+        out += [Candidate(f"expert ep{world} zero {z}", ["strategy=expert", f"strategy.zero={z}"]) for z in (0, 3)]
     return out
 
 
@@ -213,7 +223,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
              f"loopback {bandwidth / 1e9:.2f} GB/s" + (f", disk {disk / 1e9:.2f} GB/s" if disk else ""))
     quiet = logging.getLogger("parallel")
     level = quiet.level
-    found = candidates(world, cfg.strategy.microbatches)
+    found = candidates(world, cfg.strategy.microbatches, experts=bool(moe_layers(build_meta_model(cfg.model))))
     i = 0
     while i < len(found):  # recomputed variants join the list as candidates exceed the budget
         cand = found[i]

@@ -24,3 +24,9 @@ def test_a_candidate_over_budget_is_retried_with_recomputed_activations():
 def test_one_worker_candidates_are_single_and_offload():
     assert [c.name for c in candidates(1)] == ["single", "offload, activations device",
                                                "offload, activations checkpoint", "offload, activations auto"]
+
+
+def test_expert_parallelism_is_tried_for_models_with_experts():
+    names = [c.name for c in candidates(4, experts=True)]
+    assert {"expert ep4 zero 0", "expert ep4 zero 3", "hybrid dp2 x ep2 zero 3"} <= set(names)
+    assert not any(" ep" in c.name for c in candidates(4))
