@@ -140,17 +140,10 @@ def run_experts(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Ten
     Args:
         experts: the layer's nn.ModuleList, or this rank's share of it under expert parallelism.
     """
-    n, k = r.chosen.shape
-    if _static(tokens) and not torch.compiler.is_exporting() and not tokens.is_meta:
-        return _balanced(experts, tokens, r)
-    if _static(tokens):
-        gates = torch.zeros(n, r.experts, device=tokens.device, dtype=r.weights.dtype)
-        gates = gates.scatter_add(1, r.chosen, r.weights)
-        out = torch.zeros_like(tokens)
-        held = experts.items() if isinstance(experts, nn.ModuleDict) else enumerate(experts)  # a shard: its own
-        for i, expert in held:
-            out = out + gates[:, int(i):int(i) + 1].to(tokens.dtype) * expert(tokens)
-        return out
+    if _static(tokens):  # a trace computes the real values; the planner, a balanced step's shapes
+        return _dense(experts, tokens, r) if tokens.is_meta or torch.compiler.is_exporting() \
+            else _balanced(experts, tokens, r)
+    k = r.chosen.shape[1]
     pick = r.kept.flatten().nonzero().squeeze(1)  # the kept (token, choice) pairs
     flat = r.chosen.flatten()
     order = pick[torch.argsort(flat[pick], stable=True)]  # grouped by expert, token order within
@@ -166,6 +159,22 @@ def run_experts(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Ten
     return torch.zeros_like(tokens).index_add(0, token_of, ys)
 
 
+def _held(experts: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(index in the layer, expert) of the experts this rank holds: all of a ModuleList, a shard's own."""
+    return [(int(i), e) for i, e in experts.items()] if isinstance(experts, nn.ModuleDict) else list(enumerate(experts))
+
+
+def _dense(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tensor:
+    """Every expert on every token, weighted by a gate that is 0 where it was not chosen: the routed values
+    without reading any (Note [moe layer])."""
+    gates = torch.zeros(r.chosen.shape[0], r.experts, device=tokens.device, dtype=r.weights.dtype)
+    gates = gates.scatter_add(1, r.chosen, r.weights).to(tokens.dtype)
+    out = torch.zeros_like(tokens)
+    for i, expert in _held(experts):
+        out = out + gates[:, i:i + 1] * expert(tokens)
+    return out
+
+
 def _balanced(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tensor:
     """The planner's stand-in for the routed computation (fake tensors: the shapes of a step, not its values):
     each expert this rank holds runs on an even share of the choices of every rank that sends it tokens, and
@@ -174,8 +183,8 @@ def _balanced(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tenso
     senders = getattr(experts, "ep", 1)
     rows = -(-n * k * senders // r.experts)  # ceil: a balanced router's choices per expert
     pick = torch.arange(rows, device=tokens.device) % n
-    held = experts.values() if isinstance(experts, nn.ModuleDict) else experts
-    ys = torch.cat([expert(tokens[pick]) for expert in held])
+    held = _held(experts)
+    ys = torch.cat([expert(tokens[pick]) for _, expert in held])
     picks = pick.repeat(len(held))
     ys = ys * r.weights.flatten()[picks].unsqueeze(1).to(ys.dtype)
     return torch.zeros_like(tokens).index_add(0, picks % n, ys)

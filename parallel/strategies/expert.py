@@ -89,9 +89,6 @@ class ExpertShard(nn.ModuleDict):
     def __len__(self) -> int:
         return self.total  # the layer's expert count, as its ModuleList had
 
-    def held(self) -> list[int]:
-        return [int(k) for k in self.keys()]
-
     def grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for `xs`, this rank's tokens grouped by expert (`counts` per expert), in the
         same order; every ep rank calls it together."""
@@ -112,8 +109,8 @@ class ExpertShard(nn.ModuleDict):
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh, zero: int) -> list[ExpertShard]:
-    """Swap each MoE layer's experts in `module` for this rank's `ExpertShard` and make each shard a
-    expert a data-parallel unit over mesh["dp"] (replicated for zero 0, sharded otherwise); returns the shards."""
+    """Swap each MoE layer's experts in `module` for this rank's `ExpertShard` and make each of its experts a
+    data-parallel unit over mesh["dp"] (replicated for zero 0, sharded otherwise); returns the shards."""
     group, dp_mesh = mesh["ep"].get_group(), mesh["dp"]
     shards = []
     for _, layer in moe_layers(module):

@@ -6,7 +6,7 @@ import torch
 from tests import cli
 
 MOE = ["model=moe", "data.task=lm", "data.seq_len=16", "model.args.dim=32", "model.args.heads=4",
-       "model.args.experts=4", "model.args.capacity_factor=1.5"]
+       "model.args.experts=4", "model.args.capacity_factor=1.5", "model.args.aux_coef=0.1"]
 
 # name -> (strategy args, processes)
 CASES = {
@@ -60,3 +60,22 @@ def test_a_users_moe_layer_trains_under_ep(reference, tmp_path):
     user = ["model=custom", "model._target_=tests.user_model.moe_regressor"]
     cli.run(cli.FAST + user + ["strategy=expert", "nproc=2", f"run_dir={tmp_path}"], cwd=tmp_path, timeout=240)
     cli.assert_same_training(tmp_path, reference(cli.FAST + user))
+
+
+@pytest.mark.timeout(120)
+def test_single_is_the_users_own_loop(tmp_path):
+    """The model trained alone in a plain PyTorch loop (its load-balancing gradient weighted per sequence of
+    the batch it is given) gives single's losses and weights."""
+    from parallel.config import DataConfig
+    from parallel.models.moe import build_moe
+    from tests.hf_models import HF_FAST, plain_loop
+
+    cli.run(HF_FAST + MOE + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    kwargs = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "experts": 4, "capacity_factor": 1.5,
+              "aux_coef": 0.1}
+    losses, state = plain_loop(build_moe, kwargs, DataConfig(task="lm", seq_len=16))
+    torch.testing.assert_close(cli.losses(tmp_path), losses, rtol=1e-4, atol=0)
+    final = cli.final_weights(tmp_path)
+    assert sorted(final) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
