@@ -131,9 +131,12 @@ def with_aux_loss(out: torch.Tensor, aux_sum: torch.Tensor, coef: float, seqs: i
 
 def _static(t: torch.Tensor) -> bool:
     """Group sizes cannot be read: fake or meta tensors, or a trace (Note [moe layer])."""
-    return t.is_meta or detect_fake_mode(t) is not None or torch.compiler.is_exporting()
+    return t.is_meta or torch.compiler.is_exporting() or detect_fake_mode(t) is not None
 
 
+# Not compiled (torch.compile of a block runs it eagerly, between the graphs before and after): the groups'
+# sizes are read from the routing, and expert parallelism's all-to-all takes them as Python ints.
+@torch.compiler.disable
 def run_experts(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tensor:
     """sum_k weight_k x expert_k(token) for every token of `tokens` (n, dim) (Note [moe layer]).
 
@@ -214,14 +217,16 @@ class MoE(nn.Module):
         if not self.training or not torch.is_grad_enabled():
             return out
         aux = balance_loss(r)
-        if not _static(x):
-            record(self.stats, r, aux.detach() * self.aux_coef)
+        record(self.stats, r, aux.detach() * self.aux_coef)
         return with_aux_loss(out, aux, self.aux_coef, b) if self.aux_coef else out
 
 
+@torch.compiler.disable
 def record(stats: dict, r: Route, aux: torch.Tensor) -> None:
     """Add a training forward's routing to `stats`: choices per expert, dropped choices, sequences and their
-    summed (weighted) aux term; moe_stats reads and clears them."""
+    summed (weighted) aux term; moe_stats reads and clears them. Nothing in a trace or a plan (fake values)."""
+    if _static(r.probs):
+        return
     with torch.no_grad():
         add = {"tokens": torch.bincount(r.chosen[r.kept], minlength=r.experts).double(),
                "dropped": (~r.kept).sum().double().view(1), "seqs": torch.full((1,), r.seqs, dtype=torch.float64),
