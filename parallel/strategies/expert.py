@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from parallel.config import Config, fail
+from parallel.config import fail
 from parallel.engine import LocalEngine
 from parallel.optim import clip_grads
 
@@ -182,8 +182,8 @@ class ExpertEngine(LocalEngine):
         return state
 
 
-def expert_engine(model: nn.Module, cfg: Config, loss, mesh: DeviceMesh, group, device) -> LocalEngine:
-    """The engine of a model without a pipeline: ExpertEngine when ep > 1."""
+def expert_engine(mesh: DeviceMesh, *args, **kwargs) -> LocalEngine:
+    """The engine of a model without a pipeline (LocalEngine's arguments): ExpertEngine when ep > 1."""
     if mesh["ep"].size() == 1:
-        return LocalEngine(model, cfg, loss, group, device)
-    return ExpertEngine(model, cfg, loss, group, device, mesh=mesh)
+        return LocalEngine(*args, **kwargs)
+    return ExpertEngine(*args, mesh=mesh, **kwargs)

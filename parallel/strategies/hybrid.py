@@ -94,4 +94,4 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     pieces(model, blocks_of(model))
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
-    return expert_engine(model, cfg, loss, mesh, data_mesh(mesh).get_group(), runtime.device)
+    return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device)
