@@ -103,8 +103,8 @@ def validate(cfg: Config, world_size: int) -> None:
         check_sync_batchnorm(cfg, build_meta_model(cfg.model))
     if cfg.trainer.resume is not None:
         check_resume(cfg)
-    if s.ep > 1:
-        check_experts(build_meta_model(cfg.model), s.ep)
+    if s.ep > 1 or s.cp > 1:
+        check_experts(build_meta_model(cfg.model), s.ep, s.cp)
     if tensor_parallel(s):
         check_plan(build_meta_model(cfg.model), cfg)
     if pipelined(s):

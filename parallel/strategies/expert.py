@@ -46,9 +46,16 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and isinstance(getattr(m, "experts", None), (nn.ModuleList, ExpertShard))]
 
 
-def check_experts(model: nn.Module, ep: int) -> None:
-    """strategy.ep > 1 needs MoE layers whose expert count divides by ep (before any worker starts)."""
+def check_experts(model: nn.Module, ep: int, cp: int = 1) -> None:
+    """strategy.ep > 1 needs MoE layers whose expert count divides by ep; MoE layers do not take strategy.cp > 1
+    (their load-balancing loss and capacity are per sequence, Note [auxiliary loss], and cp splits sequences).
+    Checked before any worker starts."""
     layers = moe_layers(model)
+    if cp > 1 and layers:
+        fail("strategy.cp", cp, f"{layers[0][0]} is a mixture-of-experts layer, whose load-balancing loss and "
+             "capacity are taken per sequence; context parallelism splits each sequence over ranks", [1])
+    if ep == 1:
+        return
     if not layers:
         fail("strategy.ep", ep, f"{type(model).__name__} has no mixture-of-experts layer to split over expert "
              "ranks (a module with a `router` and an nn.ModuleList of `experts`, Note [moe layer])",

@@ -69,6 +69,11 @@ def test_ep_must_divide_the_experts():
         validate(cfg, 8)
 
 
+def test_moe_under_context_parallelism_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^strategy.cp=2: blocks.0.mlp is a mixture-of-experts layer"):
+        validate(_moe(name="hybrid", cp=2, dp=1), 2)
+
+
 def test_ep_needs_a_model_with_experts():
     cfg = Config()
     cfg.model.args = {"in_features": 32, "out_features": 4}
