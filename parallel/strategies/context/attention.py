@@ -15,9 +15,9 @@ CUDA kernels (flash, efficient, cuDNN) only, and torch 2.13 fails on the CPU's
 exchange is written here, exactly:
 
   forward   the keys and values of all ranks are all-gathered over the cp group and put back in sequence
-            order; each local query chunk c attends to the chunks before it (no mask) and to itself (causal),
-            with the CPU flash kernel, which returns the log-sum-exp of each row; the two partial results
-            are merged through it (the blockwise softmax of flash and ring attention). Only the rank's own
+            order; each local query chunk c attends to each chunk before it (no mask) and to itself (causal),
+            one chunk at a time with the CPU flash kernel, which returns the log-sum-exp of each row; the
+            partial results are merged through it (the blockwise softmax of flash and ring attention). Only the rank's own
             q, k, v, output and log-sum-exp are saved: the gathered keys and values are dropped, so the
             activation memory of a rank stays that of its 2L tokens.
   backward  the keys and values are gathered again; the kernel's backward runs per block with the merged
@@ -84,12 +84,6 @@ def _gather(shard: SequenceShard, k: torch.Tensor, v: torch.Tensor) -> list[torc
     return [parts[r].narrow(3, half * n, n) for r, half in map(shard.owner, range(2 * shard.cp))]
 
 
-def _blocks(chunks: list[torch.Tensor], c: int) -> list[tuple[torch.Tensor, bool]]:
-    """The key/value blocks query chunk `c` attends to: (the chunks before it, unmasked), (itself, causal)."""
-    blocks = [(torch.cat(chunks[:c], dim=3), False)] if c else []
-    return blocks + [(chunks[c], True)]
-
-
 class _ContextAttention(torch.autograd.Function):
     """Note [context parallelism]: forward and backward of causal attention over the cp ranks."""
 
@@ -101,8 +95,9 @@ class _ContextAttention(torch.autograd.Function):
         for i, c in enumerate(shard.chunks()):
             qc = q.narrow(2, i * n, n)
             out = lse = None
-            for kv, causal in _blocks(chunks, c):
-                o, s = aten._scaled_dot_product_flash_attention_for_cpu(qc, kv[0], kv[1], 0.0, causal, scale=scale)
+            for j in range(c + 1):  # every chunk up to this one; causal within itself
+                o, s = aten._scaled_dot_product_flash_attention_for_cpu(qc, chunks[j][0], chunks[j][1], 0.0, j == c,
+                                                                        scale=scale)
                 if out is None:
                     out, lse = o, s
                 else:  # merge two softmaxes over disjoint keys by their log-sum-exps
@@ -124,20 +119,18 @@ class _ContextAttention(torch.autograd.Function):
         grad = grad.contiguous()
         n = q.shape[2] // 2
         dq = torch.zeros_like(q)
-        dkv = [torch.zeros_like(c) for c in chunks]  # gradients of every chunk's keys and values
+        # The gradients of every chunk's keys and values: (chunk, k or v, B, H, L, D).
+        dkv = q.new_zeros((2 * shard.cp, 2, *k.shape[:2], n, k.shape[3]))
         for i, c in enumerate(shard.chunks()):
             rows = slice(i * n, (i + 1) * n)
-            start = 0
-            for kv, causal in _blocks(chunks, c):
+            for j in range(c + 1):
                 gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    grad[:, :, rows], q[:, :, rows], kv[0], kv[1], out[:, :, rows], lse[:, :, rows], 0.0, causal,
-                    scale=scale)
+                    grad[:, :, rows], q[:, :, rows], chunks[j][0], chunks[j][1], out[:, :, rows], lse[:, :, rows],
+                    0.0, j == c, scale=scale)
                 dq[:, :, rows] += gq
-                for j in range(kv.shape[3] // n):  # the block's gradients back to their chunks
-                    dkv[start + j][0] += gk.narrow(2, j * n, n)
-                    dkv[start + j][1] += gv.narrow(2, j * n, n)
-                start += kv.shape[3] // n
-        total = torch.stack(dkv)
-        dist.all_reduce(total, group=shard.group)  # every rank's queries' share of each chunk's gradient
-        mine = torch.cat([total[c] for c in shard.chunks()], dim=3)
+                dkv[j, 0] += gk
+                dkv[j, 1] += gv
+        del chunks  # the gathered keys and values are not needed for the reduction
+        dist.all_reduce(dkv, group=shard.group)  # every rank's queries' share of each chunk's gradient
+        mine = torch.cat([dkv[c] for c in shard.chunks()], dim=3)
         return dq, mine[0], mine[1], None, None
