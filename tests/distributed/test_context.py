@@ -55,6 +55,20 @@ def test_hybrid_with_cp_matches_single(reference, tmp_path, case):
     cli.assert_same_training(tmp_path, reference(cli.FAST + GPT))
 
 
+@pytest.mark.timeout(300)
+def test_evaluation_and_accumulation_under_cp_match_single(reference, tmp_path):
+    """Evaluation scores each rank's chunks and adds them up over the cp ranks; gradient accumulation and
+    ZeRO-2 sharding over the cp ranks keep the single run's numbers."""
+    extra = ["trainer.steps=4", "trainer.eval_every=2", "trainer.grad_accum=2"]
+    cli.run(cli.FAST + GPT + extra + ["nproc=2", "strategy=context", "strategy.zero=2", f"run_dir={tmp_path}"],
+            cwd=tmp_path)
+    ref = reference(cli.FAST + GPT + extra)
+    cli.assert_same_training(tmp_path, ref)
+    got, want = ([r["eval_loss"] for r in cli.metrics(d) if "eval_loss" in r] for d in (tmp_path, ref))
+    assert len(want) == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
 @pytest.mark.timeout(240)
 def test_llama_cp2_is_the_users_own_loop(tmp_path):
     """A Hugging Face Llama (rotary positions, grouped-query attention) through transformers' attention interface,
