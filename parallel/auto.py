@@ -6,10 +6,12 @@ Candidates for W workers (the other strategy keys keep their defaults):
             (checkpoint) or on the tier below
     W > 1   data with zero 0, 1, 2, 3; model (tensor parallel over W); pipeline
             over W (balanced by parameters, so the run cuts where the plan did);
-            hybrid for every factorization of W into two degrees: dp x pp and
-            dp x tp, each with zero 0 and 3. Every candidate with a pipeline is
-            tried with m = p, 2p and 4p microbatches (p pipeline ranks) unless
-            strategy.microbatches is given.
+            hybrid for every factorization of W into two degrees: dp x pp,
+            dp x tp and dp x cp, each with zero 0 and 3; context (cp over W)
+            for a causal transformer (long sequences in small batches). Every
+            candidate with a pipeline is tried with m = p, 2p and 4p
+            microbatches (p pipeline ranks) unless strategy.microbatches is
+            given.
     any     a candidate (not offload) over the budget is tried again with its
             activations recomputed per block (strategy.activations=checkpoint):
             more compute for less memory, worth it only when it makes a plan fit.
@@ -82,6 +84,10 @@ def candidates(world: int, microbatches: int | None = None) -> list[Candidate]:
 
     out = [Candidate(f"data zero {z}", ["strategy=data", f"strategy.zero={z}"]) for z in range(4)]
     out.append(Candidate(f"model tp{world}", ["strategy=model"]))
+    # Context parallelism: each sequence split over the ranks; it applies to a causal transformer on token
+    # sequences (validate drops it for other models), and is what fits when a batch of long sequences is too
+    # small to split over data-parallel ranks.
+    out.append(Candidate(f"context cp{world}", ["strategy=context"]))
     out += pipelined(f"pipeline pp{world}", ["strategy=pipeline", "strategy.balance=params"], world)
     for a in range(2, world):
         if world % a:
@@ -92,6 +98,7 @@ def candidates(world: int, microbatches: int | None = None) -> list[Candidate]:
             out += pipelined(f"hybrid dp{a} x pp{b} zero {z}",
                              [*common, f"strategy.pp={b}", "strategy.balance=params"], b)
             out.append(Candidate(f"hybrid dp{a} x tp{b} zero {z}", [*common, f"strategy.tp={b}"]))
+            out.append(Candidate(f"hybrid dp{a} x cp{b} zero {z}", [*common, f"strategy.cp={b}", "strategy.pp=1"]))
     return out
 
 
