@@ -48,6 +48,8 @@ BAD = [
     ({"strategy__name": "hybrid", "strategy__dp": 2, "strategy__cp": 2, "strategy__tp": 2, "strategy__pp": 1}, 4,
      "strategy=hybrid: the degrees must multiply to the world size: dp 2 x ep 1 x pp 1 x cp 2 x tp 2 = 8"),
     ({"strategy__tp": 2}, 4, "strategy.tp=2: strategy=context does not use a tp dimension"),
+    ({"model__name": "custom", "model___target_": "tests.hf_models.gpt2", "model__args": {"dropout": 0.1}}, 2,
+     "strategy.cp=2: the attention over the cp ranks has no dropout, and GPT2LMHeadModel's attention dropout is 0.1"),
 ]
 
 

@@ -94,6 +94,11 @@ def check_context(cfg: Config, model: nn.Module) -> None:
         fail(key, s.cp, f"context parallelism splits causal self-attention, and {type(model).__name__} has none "
              "it knows (the built-in gpt, or a Hugging Face causal decoder using transformers' attention interface)",
              ["model=gpt", "a Hugging Face causal LM (Llama, Mistral, Qwen, GPT-2, ...)", "1"])
+    config = getattr(model, "config", None)
+    dropout = max((getattr(config, k, 0) or 0 for k in ("attention_dropout", "attn_pdrop")), default=0)
+    if dropout:
+        fail(key, s.cp, f"the attention over the cp ranks has no dropout, and {type(model).__name__}'s attention "
+             f"dropout is {dropout}", ["+model.config.attention_dropout=0 (or attn_pdrop=0)", "1"])
     if cfg.data.task != "lm":
         fail(key, s.cp, f"context parallelism splits sequences with a target per token; data.task="
              f"{cfg.data.task} has one per sample", ["data.task=lm", "1"])
