@@ -53,9 +53,8 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 def _hf_attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention interface, over the cp ranks: q (B, H, 2L, D), k and v with the model's key/value
     heads; returns (B, 2L, H, D) as the interface's own functions do. The causal mask is the cp layout's
-    (transformers makes none for an implementation it has no mask for)."""
-    if dropout:
-        raise ValueError(f"strategy.cp: attention dropout ({dropout}) is not supported; set it to 0")
+    (transformers makes none for an implementation it has no mask for); attention dropout is 0 (checked before
+    the run: check_context)."""
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
