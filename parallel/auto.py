@@ -6,12 +6,14 @@ Candidates for W workers (the other strategy keys keep their defaults):
             (checkpoint) or on the tier below
     W > 1   data with zero 0, 1, 2, 3; model (tensor parallel over W); pipeline
             over W (balanced by parameters, so the run cuts where the plan did);
-            hybrid for every factorization of W into two degrees: dp x pp and
-            dp x tp, each with zero 0 and 3; for a model with mixture-of-experts
-            layers also expert parallelism: ep over W and dp x ep, with zero 0
-            and 3 (the plan holds each rank's experts and a balanced share of the
-            tokens; its all-to-all is not counted in comm). Every candidate with a pipeline is
-            tried with m = p, 2p and 4p microbatches (p pipeline ranks) unless
+            hybrid for every factorization of W into two degrees: dp x pp,
+            dp x tp and dp x cp, each with zero 0 and 3; context (cp over W)
+            for a causal transformer (long sequences in small batches); for a
+            model with mixture-of-experts layers also expert parallelism: ep
+            over W and dp x ep, with zero 0 and 3 (the plan holds each rank's
+            experts and a balanced share of the tokens; its all-to-all is not
+            counted in comm). Every candidate with a pipeline is tried with
+            m = p, 2p and 4p microbatches (p pipeline ranks) unless
             strategy.microbatches is given.
     any     a candidate (not offload) over the budget is tried again with its
             activations recomputed per block (strategy.activations=checkpoint):
@@ -88,6 +90,10 @@ def candidates(world: int, microbatches: int | None = None, experts: bool = Fals
 
     out = [Candidate(f"data zero {z}", ["strategy=data", f"strategy.zero={z}"]) for z in range(4)]
     out.append(Candidate(f"model tp{world}", ["strategy=model"]))
+    # Context parallelism: each sequence split over the ranks; it applies to a causal transformer on token
+    # sequences (validate drops it for other models), and is what fits when a batch of long sequences is too
+    # small to split over data-parallel ranks.
+    out.append(Candidate(f"context cp{world}", ["strategy=context"]))
     out += pipelined(f"pipeline pp{world}", ["strategy=pipeline", "strategy.balance=params"], world)
     for a in range(2, world):
         if world % a:
@@ -98,6 +104,7 @@ def candidates(world: int, microbatches: int | None = None, experts: bool = Fals
             out += pipelined(f"hybrid dp{a} x pp{b} zero {z}",
                              [*common, f"strategy.pp={b}", "strategy.balance=params"], b)
             out.append(Candidate(f"hybrid dp{a} x tp{b} zero {z}", [*common, f"strategy.tp={b}"]))
+            out.append(Candidate(f"hybrid dp{a} x cp{b} zero {z}", [*common, f"strategy.cp={b}", "strategy.pp=1"]))
             if experts:
                 out.append(Candidate(f"hybrid dp{a} x ep{b} zero {z}", [*common, f"strategy.ep={b}"]))
     if experts:

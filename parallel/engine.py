@@ -153,14 +153,27 @@ class LocalEngine(Engine):
         loss: the run's loss (Note [global loss] in parallel/loss.py).
         loss_group: the group whose ranks each hold a slice of the batch (data parallel).
         device: this rank's device.
+        sequence: context parallelism's layout (parallel.strategies.context.SequenceShard): each batch is cut to
+            this rank's chunks of every sequence, inputs and targets alike, and the model is told their
+            positions (`position_ids`); None: whole sequences.
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, loss: Loss, loss_group, device: torch.device):
+    def __init__(self, model: nn.Module, cfg: Config, loss: Loss, loss_group, device: torch.device, sequence=None):
         self.model, self.cfg, self.loss, self.loss_group, self.device = model, cfg, loss, loss_group, device
+        self.sequence = sequence
+
+    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x, y) if self.sequence is None else (self.sequence.shard(x), self.sequence.shard(y))
+
+    def _forward(self, xs: torch.Tensor):
+        if self.sequence is None:
+            return self.model(xs)
+        return self.model(xs, position_ids=self.sequence.position_ids(xs))
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         accum = self.cfg.trainer.grad_accum
         scale = grad_average(self.loss_group)
+        x, y = self._local(x, y)
         self.loss.start_step(y, self.loss_group, scale)
         total = torch.zeros((), device=x.device)
         for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
@@ -168,7 +181,7 @@ class LocalEngine(Engine):
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 / replicate modules have it
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with autocast(self.cfg, self.device):
-                loss = self.loss(self.model(xs), ys)  # already a share of the global loss: no / accum
+                loss = self.loss(self._forward(xs), ys)  # already a share of the global loss: no / accum
             loss.backward()
             total += loss.detach().float()
         return total / scale
@@ -176,11 +189,12 @@ class LocalEngine(Engine):
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # In the training microbatches' size: the memory a step has room for.
         accum = self.cfg.trainer.grad_accum
+        x, y = self._local(x, y)
         scores = torch.zeros(3, dtype=torch.float64, device=x.device)
         with evaluating([self.model]):
             for xs, ys in zip(x.chunk(accum), y.chunk(accum)):
                 with autocast(self.cfg, self.device):
-                    scores += self.loss.score(self.model(xs), ys)
+                    scores += self.loss.score(self._forward(xs), ys)
         return scores
 
     def clip(self, max_norm: float) -> torch.Tensor:

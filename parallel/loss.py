@@ -16,6 +16,10 @@ count of counted targets over the global batch:
   reads the batch on every stage): this rank's count, summed over the data-parallel ranks by one scalar
   all-reduce. Float targets (regression) count every element, so their N is this rank's count x dp and needs
   no collective. N is at least 1 (a batch of padding only gives loss 0, not NaN).
+- The data-parallel ranks here are all those holding the same dense weights, dp x ep x cp (Note [mesh
+  dimensions] in parallel/dims.py): dp and ep ranks hold different samples, and cp ranks different tokens of
+  the same samples (each its chunks of every sequence), so the count is summed over cp too, and DDP / FSDP
+  average the gradients over all of them.
 - A built-in returns the sum itself (`reduction="sum"` of PyTorch's functional losses, `ignore_index` for
   cross-entropy). A user function declares what it returns (`loss.reduction`): `sum` is used as is; a `mean`
   over its counted targets is multiplied back by its microbatch's count. That is exact for a mean over the

@@ -22,6 +22,7 @@ from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
 from parallel.optim import check_optimizer
 from parallel.strategies import check_strategy
+from parallel.strategies.context import check_context
 from parallel.strategies.expert import check_experts
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
 from parallel.strategies.tensor import check_plan, check_tensor_keys
@@ -109,6 +110,8 @@ def validate(cfg: Config, world_size: int) -> None:
         check_plan(build_meta_model(cfg.model), cfg)
     if pipelined(s):
         check_split(build_meta_model(cfg.model), cfg)
+    if s.cp > 1:
+        check_context(cfg, build_meta_model(cfg.model))
     out = check_model_takes_data(cfg)
     if out is not None:
         check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data))

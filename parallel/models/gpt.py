@@ -9,6 +9,11 @@ from torch import nn
 class Attention(nn.Module):
     # q, k and v are separate Linears (not one fused qkv) so that a tensor-parallel
     # plan can shard each column-wise without splitting a fused weight by hand.
+
+    # Context parallelism sets `attend` to causal attention over the cp ranks (q, k, v) -> y
+    # (parallel.strategies.context); None: the whole sequence is here.
+    attend = None
+
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
@@ -24,7 +29,10 @@ class Attention(nn.Module):
         # -1 rather than dim // heads: under tensor parallelism each rank holds
         # heads / tp of them, and the local width is what it sees.
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attend is not None:
+            y = self.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
     @property
@@ -105,9 +113,12 @@ class GPT(nn.Module):
             plan["head"] = "replicate" if tied else "colwise_gather"
         return plan
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok(tokens) + self.pos(positions)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits of `tokens` (B, T); `position_ids` (1 or B, T): the tokens' places in their
+        sequences (context parallelism hands each rank chunks from inside them), 0..T-1 by default."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok(tokens) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))

@@ -20,6 +20,7 @@ from parallel.metrics import log
 from parallel.offload.check import check_offload
 from parallel.offload.engine import build_offload
 from parallel.runtime import Runtime
+from parallel.strategies.context import apply_context
 from parallel.strategies.data import apply_data
 from parallel.strategies.hybrid import build_hybrid
 from parallel.strategies.pipeline import build_pipeline
@@ -33,12 +34,13 @@ def _local(apply):
     materialize (Note [initialization by name]) and wrap it in a LocalEngine."""
 
     def build(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
+        sequence = apply_context(model, mesh)  # cp > 1 (strategy=context): attention over the cp ranks
         if recomputing(cfg):  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
             recompute_model(model, cfg)
         model = apply(model, mesh, cfg, runtime)
         materialize_and_init(model, runtime.device, plan, runtime.values)
         loss = build_loss(cfg.loss, cfg.data.task)
-        return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device)
+        return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence)
 
     return build
 
@@ -48,6 +50,8 @@ STRATEGIES = {
     "data": _local(apply_data),
     "pipeline": build_pipeline,
     "model": _local(apply_tensor),
+    # Each sequence split over the cp ranks; the weights data-parallel over them (zero as strategy=data).
+    "context": _local(apply_data),
     "hybrid": build_hybrid,  # the order it applies the pieces in: parallel.strategies.hybrid
     "expert": build_hybrid,  # hybrid over the ep dimension alone (parallel.strategies.expert)
     "offload": build_offload,
@@ -81,8 +85,8 @@ def check_strategy(cfg: Config, world_size: int) -> None:
     if s.name == "single" and world_size != 1:
         fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
              "strategy=data or strategy=pipeline for several processes")
-    if s.name not in ("data", "hybrid", "expert") and s.zero != 0:
-        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data, hybrid or expert")
+    if s.name not in ("data", "context", "hybrid", "expert") and s.zero != 0:
+        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data, context, hybrid or expert")
     if s.balance not in BALANCES:
         fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
     check_tensor_keys(s, s.name in ("model", "hybrid"))

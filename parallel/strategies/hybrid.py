@@ -1,7 +1,8 @@
-"""strategy=hybrid: data x pipeline x tensor parallelism on one named DeviceMesh.
+"""strategy=hybrid: data x expert x pipeline x context x tensor parallelism on one named DeviceMesh.
 
-The mesh is (dp, pp, tp), tp innermost (parallel.dims). `parallelize` applies
-the pieces in a fixed order, each one working on what the one before left:
+The mesh is (dp, ep, pp, cp, tp), tp innermost (Note [mesh dimensions] in
+parallel/dims.py). `parallelize` applies the pieces in a fixed order, each one
+working on what the one before left:
 
   1. pipeline split (pp > 1): the model is traced and cut into stages; this
      rank keeps its stages. The traced blocks are swapped back for the model's
@@ -10,7 +11,11 @@ the pieces in a fixed order, each one working on what the one before left:
   2. tensor plan (tp > 1): each kept module's layers are split over the tp
      ranks by the plan (parallel.strategies.tensor); a stage takes the entries
      for its own layers.
-  3. data parallelism (dp > 1): FSDP2 over the dp dimension, composed with the
+  2b. context plan (cp > 1, no pipeline): attention over the cp ranks, and the
+     engine cuts each batch to this rank's chunks of every sequence
+     (parallel.strategies.context); it changes no weights.
+  3. data parallelism (dp x ep x cp > 1): FSDP2 over the dense weights'
+     data-parallel ranks (dp x ep x cp flattened), composed with the
      tensor-parallel DTensors as PyTorch recommends: one unit per block, then
      the root. zero=0 replicates (FSDP2's replicate: gradients all-reduced);
      zero=2 shards gradients and optimizer state, keeping parameters gathered
@@ -39,6 +44,7 @@ from parallel.engine import Engine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
 from parallel.runtime import Runtime
+from parallel.strategies.context import apply_context
 from parallel.strategies.data import blocks_of
 from parallel.strategies.expert import expert_engine, shard_experts
 from parallel.strategies.pipeline import build_pipeline
@@ -89,9 +95,10 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     if s.pp > 1:
         tp_shapes = (lambda module: shard(module, mesh, tp_plan)) if s.tp > 1 else None  # noqa: E731
         return build_pipeline(model, mesh, cfg, runtime, plan, transform=pieces, shape_transform=tp_shapes)
+    sequence = apply_context(model, mesh)  # cp > 1: attention over the cp ranks (no pipeline: parallel.validate)
     if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
         recompute_model(model, cfg)
     pieces(model, blocks_of(model))
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
-    return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device)
+    return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence)

@@ -46,3 +46,14 @@ def test_bad_budget_is_a_config_error(tmp_path, budget, message):
     proc = cli.run(["strategy=auto", f"memory.budget={budget}", f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_auto_plans_context_parallelism_for_a_batch_too_small_to_split(tmp_path):
+    """One long sequence per step: data parallelism cannot split it; context parallelism (cp 2) is planned."""
+    gpt = ["model=gpt", "data.task=lm", "data.seq_len=512", "trainer.batch_size=1", "trainer.steps=1",
+           "trainer.progress=false"]
+    cli.run(gpt + ["strategy=auto", "nproc=2", f"run_dir={tmp_path}"], cwd=tmp_path)
+    found = {c["name"]: c for c in json.loads((tmp_path / "auto.json").read_text())["candidates"]}
+    assert found["context cp2"]["dropped"] is None and found["context cp2"]["peak"] > 0
+    assert "batch" in found["data zero 0"]["dropped"]

@@ -13,6 +13,13 @@ def test_pipelines_are_tried_with_several_microbatch_counts():
     assert "pipeline pp4" in given and not any(" m" in n.split("pp4")[-1] for n in given if "pp" in n)
 
 
+def test_context_parallel_candidates():
+    names = [c.name for c in candidates(4)]
+    assert {"context cp4", "hybrid dp2 x cp2 zero 0", "hybrid dp2 x cp2 zero 3"} <= set(names)
+    dp_cp = next(c for c in candidates(4) if c.name == "hybrid dp2 x cp2 zero 3")
+    assert dp_cp.overrides == ["strategy=hybrid", "strategy.dp=2", "strategy.zero=3", "strategy.cp=2", "strategy.pp=1"]
+
+
 def test_a_candidate_over_budget_is_retried_with_recomputed_activations():
     again = recomputed(Candidate("data zero 3", ["strategy=data", "strategy.zero=3"]))
     assert again.name == "data zero 3, recompute"

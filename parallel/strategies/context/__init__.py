@@ -1,0 +1,115 @@
+"""strategy=context and strategy.cp: each sample's sequence split over the cp ranks (Note [context parallelism]
+in parallel/strategies/context/attention.py).
+
+The model keeps its modules and names; what changes is where its attention looks:
+
+  built-in gpt        each block's Attention takes the cp attention as its `attend`
+  Hugging Face        a causal decoder following transformers' attention interface (Llama, Mistral, Qwen,
+                      GPT-2, ...) runs its attention through a function registered with that interface
+                      ("context_parallel"), which reads the cp layout off each attention module
+
+and the engine hands each rank its chunks of every sequence (inputs and targets alike), with the tokens'
+global positions as `position_ids` (learned positions in gpt, rotary ones in Hugging Face models).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.config import Config, fail
+from parallel.strategies.context.attention import SequenceShard
+
+HF_NAME = "context_parallel"  # the name the cp attention is registered under with transformers
+
+
+def sequence_shard(mesh: DeviceMesh) -> SequenceShard | None:
+    """This rank's chunks of each sequence; None when cp is 1."""
+    cp = mesh["cp"]
+    return SequenceShard(cp.size(), cp.get_local_rank(), cp.get_group()) if cp.size() > 1 else None
+
+
+def _hf_attention_modules(model: nn.Module) -> list[nn.Module] | None:
+    """The causal attention modules of a transformers model that runs attention through its attention
+    interface; None for any other model."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    if not model._can_set_attn_implementation():
+        return None
+    return [m for m in model.modules() if getattr(m, "is_causal", False) is True and hasattr(m, "scaling")]
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules context parallelism can split (empty: none it knows)."""
+    from parallel.models.gpt import Attention
+
+    found = [m for m in model.modules() if isinstance(m, Attention)]
+    return found or _hf_attention_modules(model) or []
+
+
+def _hf_attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention interface, over the cp ranks: q (B, H, 2L, D), k and v with the model's key/value
+    heads; returns (B, 2L, H, D) as the interface's own functions do. The causal mask is the cp layout's
+    (transformers makes none for an implementation it has no mask for); attention dropout is 0 (checked before
+    the run: check_context)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = module.context_shard.attend(query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
+    """Point `model`'s attention at the cp ranks, in place; returns the layout the engine splits batches by
+    (None when cp is 1)."""
+    shard = sequence_shard(mesh)
+    if shard is None:
+        return None
+    hf = _hf_attention_modules(model)
+    if hf:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(HF_NAME, _hf_attend)
+        for module in hf:
+            module.context_shard = shard
+        model.set_attn_implementation(HF_NAME)
+        return shard
+    for module in attention_modules(model):
+        module.attend = shard.attend
+    return shard
+
+
+def check_context(cfg: Config, model: nn.Module) -> None:
+    """strategy.cp > 1 (resolved degrees): a model whose attention can be split, per-token targets, and
+    sequences of a length that divides into 2 x cp chunks (Note [context parallelism])."""
+    s = cfg.strategy
+    if s.cp == 1:
+        return
+    key = "strategy.cp"
+    if not attention_modules(model):
+        fail(key, s.cp, f"context parallelism splits causal self-attention, and {type(model).__name__} has none "
+             "it knows (the built-in gpt, or a Hugging Face causal decoder using transformers' attention interface)",
+             ["model=gpt", "a Hugging Face causal LM (Llama, Mistral, Qwen, GPT-2, ...)", "1"])
+    config = getattr(model, "config", None)
+    dropout = max((getattr(config, k, 0) or 0 for k in ("attention_dropout", "attn_pdrop")), default=0)
+    if dropout:
+        fail(key, s.cp, f"the attention over the cp ranks has no dropout, and {type(model).__name__}'s attention "
+             f"dropout is {dropout}", ["+model.config.attention_dropout=0 (or attn_pdrop=0)", "1"])
+    if cfg.data.task != "lm":
+        fail(key, s.cp, f"context parallelism splits sequences with a target per token; data.task="
+             f"{cfg.data.task} has one per sample", ["data.task=lm", "1"])
+    if cfg.data.seq_len % (2 * s.cp):
+        fail(key, s.cp, f"data.seq_len={cfg.data.seq_len} must divide into 2 x cp = {2 * s.cp} chunks (load "
+             "balancing pairs the first and last chunks)",
+             [c for c in range(1, cfg.data.seq_len // 2 + 1) if cfg.data.seq_len % (2 * c) == 0][:8])
+    if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
+        fail(key, s.cp, "context parallelism runs on the CPU so far: its exchange computes attention with the "
+             "CPU's flash kernel (Note [context parallelism])", ["trainer.device=cpu", "1"])
+    if s.pp > 1:
+        fail(key, s.cp, "context parallelism does not compose with pipeline parallelism yet", ["strategy.pp=1"])
+    if s.sequence_parallel:
+        fail("strategy.sequence_parallel", True, "does not compose with context parallelism yet (strategy.cp="
+             f"{s.cp})", [False])

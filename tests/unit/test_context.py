@@ -1,0 +1,62 @@
+"""Context parallelism without processes: each rank's chunks, and the bad inputs that stop a run before any
+worker starts (parallel.strategies.context.check_context and the degrees)."""
+import pytest
+import torch
+
+from parallel.config import Config, ConfigError
+from parallel.strategies.context.attention import SequenceShard
+from parallel.validate import validate
+
+GPT = {"model__name": "gpt", "model__args": {"vocab_size": 64, "seq_len": 16, "dim": 16, "heads": 2, "layers": 1},
+       "data__task": "lm", "data__seq_len": 16}
+
+
+def cfg_with(**changes) -> Config:
+    cfg = Config()
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def test_chunks_pair_the_first_with_the_last():
+    """2 x cp chunks; rank r holds chunks r and 2cp-1-r, so every rank has the same causal work."""
+    x = torch.arange(16).view(1, 16)
+    got = [SequenceShard(4, r).shard(x).flatten().tolist() for r in range(4)]
+    assert got == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert sorted(sum(got, [])) == list(range(16))
+    shard = SequenceShard(2, 1)
+    assert shard.position_ids(torch.zeros(3, 8)).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def test_gpt_with_cp_passes():
+    validate(cfg_with(**GPT, strategy__name="context"), 4)
+    validate(cfg_with(**GPT, strategy__name="hybrid", strategy__dp=2, strategy__cp=2), 4)
+
+
+# (changes, world size, the start of the message)
+BAD = [
+    ({"data__seq_len": 12}, 4, "strategy.cp=4: data.seq_len=12 must divide into 2 x cp = 8 chunks"),
+    ({"model__name": "mlp", "model__args": {}, "data__task": "regression"}, 2,
+     "strategy.cp=2: context parallelism splits causal self-attention, and MLP has none"),
+    ({"data__task": "classification", "data__inputs": "tokens"}, 2, "strategy.cp=2: context parallelism splits "
+     "sequences with a target per token"),
+    ({"strategy__name": "hybrid", "strategy__cp": 2, "strategy__pp": 2}, 4, "strategy.cp=2: context parallelism "
+     "does not compose with pipeline"),
+    ({"strategy__cp": 3}, 4, "strategy.cp=3: the degrees must multiply to the world size: dp 1 x ep 1 x pp 1 x cp 3 "
+     "x tp 1 = 3 != world size 4"),
+    ({"strategy__name": "hybrid", "strategy__dp": 2, "strategy__cp": 2, "strategy__tp": 2, "strategy__pp": 1}, 4,
+     "strategy=hybrid: the degrees must multiply to the world size: dp 2 x ep 1 x pp 1 x cp 2 x tp 2 = 8"),
+    ({"strategy__tp": 2}, 4, "strategy.tp=2: strategy=context does not use a tp dimension"),
+    ({"model__name": "custom", "model___target_": "tests.hf_models.gpt2", "model__args": {"dropout": 0.1}}, 2,
+     "strategy.cp=2: the attention over the cp ranks has no dropout, and GPT2LMHeadModel's attention dropout is 0.1"),
+]
+
+
+@pytest.mark.parametrize("changes,world,message", BAD, ids=[b[2][:40] for b in BAD])
+def test_bad_cp_input_is_a_config_error(changes, world, message):
+    cfg = cfg_with(**{**GPT, "strategy__name": "context", **changes})
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)
