@@ -37,6 +37,7 @@ counts of all its batches and divides once (`Loss.score`).
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -95,15 +96,16 @@ def resolve_loss_fn(c: LossConfig):
     return fn
 
 
-# The weight of one sample's auxiliary loss in the step being trained (Note [auxiliary loss] in
-# parallel/models/moe.py): set by `Loss.start_step`, which every engine calls before its first forward.
-_aux_weight: list[float | None] = [None]
+# The loss whose step is being trained, weakly (Note [auxiliary loss] in parallel/models/moe.py): set by
+# `Loss.start_step`, which every engine calls before its first forward; gone with its run.
+_stepping: list = [None]
 
 
 def aux_sample_weight() -> float | None:
     """What one sample's auxiliary term is multiplied by in backward this step, as the main loss's terms are
-    (Note [global loss]): the gradient-averaging scale over the global batch's samples; None outside a step."""
-    return _aux_weight[0]
+    (Note [global loss]): the gradient-averaging scale over the global batch's samples; None outside a run."""
+    loss = _stepping[0]() if _stepping[0] is not None else None
+    return None if loss is None else loss.aux_weight
 
 
 class Loss:
@@ -122,6 +124,7 @@ class Loss:
         self.classifies = task in ("classification", "lm")
         self.scale = 1  # what each contribution is multiplied by in backward: the gradient-averaging degree
         self.total: torch.Tensor | None = None  # N of the step being trained
+        self.aux_weight: float | None = None  # one sample's auxiliary term's weight in this step (aux_sample_weight)
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         """Counted targets in `targets` (int64): integer ones not equal to ignore_index; float ones all."""
@@ -149,7 +152,8 @@ class Loss:
             else:
                 dist.all_reduce(total, group=group)
         self.total = total.clamp(min=1)
-        _aux_weight[0] = scale / (targets.shape[0] * size)
+        self.aux_weight = scale / (targets.shape[0] * size)
+        _stepping[0] = weakref.ref(self)
 
     def __call__(self, out, targets: torch.Tensor) -> torch.Tensor:
         """A microbatch's contribution to the step's loss, times `scale`: what backward differentiates."""
