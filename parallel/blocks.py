@@ -65,6 +65,16 @@ def block_names(model: nn.Module) -> list[str]:
     return names
 
 
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """The blocks of `model` that are items of a ModuleList / Sequential (a transformer's layers, an MLP's
+    hidden layers), in module order: the model's repeated structure, without its embeddings, norms and head."""
+    def in_list(name: str) -> bool:
+        parent, _, _ = name.rpartition(".")
+        return isinstance(model.get_submodule(parent) if parent else model, LISTS)
+
+    return [name for name in block_names(model) if in_list(name)]
+
+
 def nested(model: nn.Module, name: str) -> bool:
     """Whether the block `name` sits below the top level (Note [nested blocks]): not a top-level child, nor an
     item of a top-level ModuleList / Sequential. The model's forward calls it from inside another module."""

@@ -263,6 +263,8 @@ class TrainerConfig:
     # (parallel.evaluation); forward only, and training goes on exactly as without it.
     eval_every: int = 0
     eval_batches: int = 4
+    # Compile each repeated block with torch.compile (Note [regional compilation] in parallel/strategies/compile.py).
+    compile: bool = False
 
 
 @dataclass

@@ -300,7 +300,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
                           executor=lambda workers, name: InlineExecutor(), replicate=ddp.replicate,
                           check_disk=False, offload_io=io,  # the plan may be for another machine's disk
-                          values=Blank())  # fake tensors hold no values
+                          values=Blank(),  # fake tensors hold no values
+                          compile=False)  # planned as the eager run: Note [regional compilation]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, ShapeValues(fake), static_pipeline_warmup(), sends_held_by_their_works(), meshes_outside_fake():
             run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=data)

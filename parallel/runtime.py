@@ -48,6 +48,8 @@ class Runtime:
             parallel.offload.engine); None: the real ones.
         values: where every tensor's initial value comes from (a parallel.init.values.Values; Note
             [initial values]); None: by name from trainer.seed (parallel.init.values.ByName).
+        compile: trainer.compile may compile the blocks; the planner plans the eager run (Note [regional
+            compilation] in parallel/strategies/compile.py).
     """
 
     device: torch.device = torch.device("cpu")
@@ -60,3 +62,4 @@ class Runtime:
     check_disk: bool = True
     offload_io: Any = None
     values: Any = None
+    compile: bool = True

@@ -33,6 +33,7 @@ from parallel.optim import all_sum, build_optimizer, param_names
 from parallel.runtime import Runtime
 from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
+from parallel.strategies.compile import CompileClock, compiling
 from parallel.tensors import local_bytes
 
 
@@ -51,6 +52,7 @@ class Run:
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
     rng_seed: int = 0  # this rank's stream of random numbers (Note [random numbers] in parallel/seeding.py)
     eval_data: DataSource | None = None  # with trainer.eval_every (Note [evaluation] in parallel/evaluation.py)
+    compile_clock: CompileClock | None = None  # with trainer.compile (Note [regional compilation])
 
     def canonical(self) -> dict[str, str]:
         """Every parameter name -> the name its optimizer state is saved under (a tied weight's first)."""
@@ -60,6 +62,8 @@ class Run:
         """Release the engine's threads and files and the data's readers (also when the run failed)."""
         self.engine.close()
         self.data.close()
+        if self.compile_clock is not None:
+            self.compile_clock.close()
         if self.eval_data is not None:
             self.eval_data.close()
 
@@ -98,8 +102,9 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     rng_seed = stream_seed(cfg.trainer.seed, dp_rank, mesh["pp"].get_local_rank())
     eval_data = build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size) \
         if cfg.trainer.eval_every else None
+    clock = CompileClock() if compiling(cfg, runtime) else None  # blocks compile at the first step, not here
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
-               rng_seed=rng_seed, eval_data=eval_data)
+               rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock)
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
@@ -187,6 +192,9 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         window.add(time.perf_counter() - t0, data_time, watched)
+        if step == start + 1 and run.compile_clock is not None and run.is_logger:
+            log.info("trainer.compile: %d compilations, %.1f s, in the first step", run.compile_clock.count,
+                     run.compile_clock.seconds)
         bar.update(1)
         evals = log_eval(run, step) if evaluation.due(cfg, step) else {}
         if logging_step:
@@ -230,6 +238,8 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
     record.update(memory_record(memory))
     record.update(state_record(run))
     record.update(evals or {})
+    if run.compile_clock is not None:
+        record.update(run.compile_clock.record())
     metrics.log(record)
     if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
         log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s", step, loss_value,

@@ -22,6 +22,7 @@ from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
 from parallel.optim import check_optimizer
 from parallel.strategies import check_strategy
+from parallel.strategies.compile import check_compile
 from parallel.strategies.context import check_context
 from parallel.strategies.expert import check_experts
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
@@ -93,7 +94,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if pipelined(s):
         check_pipeline(cfg, per_rank)
     # 3. The model, then what needs it: the optimizer's name patterns, the offload disk's room, BatchNorm
-    #    layers to sync, a checkpoint to resume, the tensor plan, the pipeline split, the data's shapes through
+    #    layers to sync, a checkpoint to resume, blocks to compile, the tensor plan, the pipeline split, the data's shapes through
     #    the model, and the loss on real outputs of the model's shape.
     check_model(cfg.model)
     check_optimizer(cfg, build_meta_model(cfg.model))
@@ -106,6 +107,7 @@ def validate(cfg: Config, world_size: int) -> None:
         check_resume(cfg)
     if s.ep > 1 or s.cp > 1:
         check_experts(build_meta_model(cfg.model), s.ep, s.cp)
+    check_compile(cfg, build_meta_model(cfg.model))
     if tensor_parallel(s):
         check_plan(build_meta_model(cfg.model), cfg)
     if pipelined(s):

@@ -69,6 +69,13 @@ class LiveTensorBytes(TorchDispatchMode):
     def _update(self) -> None:
         self.peak = max(self.peak, self.current)
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile skips (runs eagerly, and stops trying to compile) a frame that starts under a dispatch
+        # mode, unless the mode says this: then the compiled blocks (trainer.compile) run compiled in a
+        # watched step, and the mode sees the buffers their code allocates rather than each fused op.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:

@@ -20,6 +20,7 @@ from parallel.metrics import log
 from parallel.offload.check import check_offload
 from parallel.offload.engine import build_offload
 from parallel.runtime import Runtime
+from parallel.strategies.compile import compile_model
 from parallel.strategies.context import apply_context
 from parallel.strategies.data import apply_data
 from parallel.strategies.hybrid import build_hybrid
@@ -38,6 +39,7 @@ def _local(apply):
         if recomputing(cfg):  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
             recompute_model(model, cfg)
         model = apply(model, mesh, cfg, runtime)
+        compile_model(model, cfg, runtime)  # after DDP or FSDP2 (Note [regional compilation])
         materialize_and_init(model, runtime.device, plan, runtime.values)
         loss = build_loss(cfg.loss, cfg.data.task)
         return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence)

@@ -44,6 +44,7 @@ from parallel.engine import Engine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
 from parallel.runtime import Runtime
+from parallel.strategies.compile import compile_model
 from parallel.strategies.context import apply_context
 from parallel.strategies.data import blocks_of
 from parallel.strategies.expert import expert_engine, shard_experts
@@ -99,6 +100,7 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
         recompute_model(model, cfg)
     pieces(model, blocks_of(model))
+    compile_model(model, cfg, runtime)  # after the tensor plan and FSDP2 (Note [regional compilation])
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
     return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence)

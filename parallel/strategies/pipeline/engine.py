@@ -25,6 +25,7 @@ from parallel.loss import Loss, build_loss
 from parallel.metrics import gather_floats, log
 from parallel.optim import clip_grads
 from parallel.runtime import Runtime
+from parallel.strategies.compile import compiling
 from parallel.strategies.expert import clip_with_experts
 from parallel.strategies.pipeline import schedules
 from parallel.strategies.pipeline.split import Split, format_split, microbatches, plan_split
@@ -52,7 +53,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
              format_split(split))
     compute_time = ComputeTime()
     stages, modules, tied = build_stages(split, mesh, cfg, runtime, plan, compute_time,
-                                         model if transform else None, transform, shape_transform)
+                                         model if transform or compiling(cfg, runtime) else None, transform,
+                                         shape_transform)
     groups: dict[str, list[str]] = {}
     for name, entry in plan.items():
         groups.setdefault(entry.canonical, []).append(name)

@@ -21,7 +21,9 @@ from torch.distributed.pipelining import PipelineStage
 from parallel.config import Config, ConfigError
 from parallel.dims import batch_mesh
 from parallel.init import InitPlan, materialize_and_init
+from parallel.blocks import repeated_blocks
 from parallel.runtime import Runtime
+from parallel.strategies.compile import compile_blocks, compiling
 from parallel.strategies.pipeline import schedules
 from parallel.strategies.pipeline.chain import chain, compiled, stage_shapes, used_names
 from parallel.strategies.pipeline.split import Split, example_microbatch
@@ -92,7 +94,7 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
                  compute_time: ComputeTime, model: nn.Module | None = None, transform=None, shape_transform=None):
     """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
 
-    With `model` and `transform` (strategy=hybrid), each stage gets the model's
+    With `model` (strategy=hybrid, or trainer.compile), each stage gets the model's
     own block modules in place of the traced ones, then `transform(stage, blocks)`.
     Every stage times its compute into `compute_time`.
     """
@@ -109,16 +111,7 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
-        _drop_unused(mod, split.blocks)
-        _mark_transient(mod, split.transient)
-        compiled(mod)
-        retarget(mod, device)
-        blocks = eager_blocks(mod, model, split.blocks) if transform is not None else None
-        if recomputing(cfg):  # before the transform's FSDP units wrap the blocks
-            called = used_names(mod, ("call_module",))
-            recompute_blocks(mod, [n for n in split.blocks if n in called])
-        if transform is not None:
-            transform(mod, blocks)
+        _prepare(mod, split, cfg, runtime, model, transform)
         materialize_and_init(mod, device, plan, runtime.values)
         # Shapes are found at the first step (PyTorch's runtime inference); only
         # floating-point and boolean tensors cross stages (split._boundaries), which that allows.
@@ -129,6 +122,25 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
         stages.append(TimedStage(mod, i, len(chained), device, group=pp_group, compute_time=compute_time, **given))
         modules.append(mod)
     return stages, modules, _tie(split, mesh, modules, ranks, plan)
+
+
+def _prepare(mod: fx.GraphModule, split: Split, cfg: Config, runtime: Runtime, model: nn.Module | None,
+             transform) -> None:
+    """One stage of the chain made ready to materialize: unused blocks dropped, run as generated code, on this
+    rank's device; with `model`, the model's own blocks swapped in; recomputation, `transform` and compilation
+    applied in that order (Note [regional compilation] in parallel/strategies/compile.py)."""
+    _drop_unused(mod, split.blocks)
+    _mark_transient(mod, split.transient)
+    compiled(mod)
+    retarget(mod, runtime.device)
+    blocks = eager_blocks(mod, model, split.blocks) if model is not None else None
+    called = used_names(mod, ("call_module",))
+    if recomputing(cfg):  # before the transform's FSDP units wrap the blocks
+        recompute_blocks(mod, [n for n in split.blocks if n in called])
+    if transform is not None:
+        transform(mod, blocks)
+    if model is not None and compiling(cfg, runtime):
+        compile_blocks(mod, [n for n in repeated_blocks(model) if n in called])
 
 
 def _static_shapes(split: Split, chained: list[fx.GraphModule], mesh: DeviceMesh, cfg: Config,

@@ -1,0 +1,115 @@
+"""trainer.compile=true: each repeated block compiled with torch.compile, under every strategy that allows it.
+
+# Note [regional compilation]
+The unit compiled is a block (parallel.blocks.repeated_blocks: the items of the
+model's ModuleLists / Sequentials), not the whole model, as TorchTitan and
+Accelerate do it: `block.compile()` compiles the module's own call, so the
+blocks keep their names (no `_orig_mod.` prefix; Note [initialization by name]),
+and identical blocks share one compiled graph: torch 2.13 passes a module's
+parameters to the graph as inputs (inline_inbuilt_nn_modules), so the second
+block of a class meets the first one's guards and reuses its code. Compilation
+is lazy: it happens in the first step (`CompileClock` times it).
+
+`dynamic=False`: a block sees one microbatch shape for the whole run, so it is
+compiled for that shape; a new shape (evaluation's last batch) compiles once
+more instead of turning every shape symbolic.
+
+Where each strategy compiles, always after its own wrappers, on meta, before
+materialization (compilation records no tensors until the first call):
+  single, data, model, hybrid without pp: the whole model's blocks, after the
+      tensor plan, recomputation (composable checkpoint) and DDP / FSDP2. FSDP2's
+      hooks are dynamo-disabled in torch 2.13 (fsdp/_fully_shard/_fsdp_state.py),
+      so they all-gather and free eagerly around the compiled block; recomputation's
+      hooks likewise run around it, and backward recomputes the compiled forward.
+  pipeline, hybrid with pp: each stage's blocks, after the model's own block
+      modules are swapped in for the traced copies (parallel.strategies.pipeline.
+      stages.eager_blocks): traced copies each carry their own generated code,
+      so they could not share a graph.
+  offload: not compiled (a config error). Its hooks move each block's weights
+      between tiers and run its recomputation themselves, per block and per
+      microbatch; a compiled block would guard on tensors that offload swaps.
+The planner (parallel.planner) plans the eager run: `Runtime.compile` is False
+there, since fake tensors have no values to compile against, and compiled code
+changes time, not the weights, gradients and optimizer state it counts.
+"""
+from __future__ import annotations
+
+import time
+
+from torch import nn
+from torch._dynamo.callback import CallbackArgs, callback_handler
+
+from parallel.blocks import repeated_blocks
+from parallel.config import Config, fail
+from parallel.metrics import log
+from parallel.runtime import Runtime
+
+# What trainer.compile runs with (Note [regional compilation]); offload is the one left out.
+COMPILED = ("single", "data", "model", "pipeline", "hybrid")
+
+
+def compiling(cfg: Config, runtime: Runtime) -> bool:
+    """Whether this build compiles its blocks: trainer.compile, and not under the planner."""
+    return cfg.trainer.compile and runtime.compile
+
+
+def compile_blocks(root: nn.Module, names: list[str]) -> None:
+    """Compile the blocks `names` of `root` in place (each lazily, at its first call)."""
+    for name in names:
+        root.get_submodule(name).compile(dynamic=False)
+    if names:
+        log.info("trainer.compile: %d blocks compiled at the first step (%s ... %s)", len(names), names[0],
+                 names[-1])
+
+
+def compile_model(model: nn.Module, cfg: Config, runtime: Runtime) -> None:
+    """Compile the repeated blocks of a whole model (strategies that keep the whole model on each rank)."""
+    if compiling(cfg, runtime):
+        compile_blocks(model, repeated_blocks(model))
+
+
+def check_compile(cfg: Config, model: nn.Module) -> None:
+    """trainer.compile applies: the strategy allows it and the model has repeated blocks to compile."""
+    if not cfg.trainer.compile:
+        return
+    s = cfg.strategy.name
+    if s not in COMPILED:
+        fail("trainer.compile", True, f"strategy={s} moves each block's weights and activations through its own "
+             "hooks, which compiled blocks do not follow (Note [regional compilation])",
+             [f"strategy={name}" for name in COMPILED] + ["trainer.compile=false"])
+    if not repeated_blocks(model):
+        fail("trainer.compile", True, f"compiles the model's repeated blocks (the items of its ModuleLists or "
+             f"Sequentials), and model={cfg.model.name} (strategy={s}) has none",
+             ["trainer.compile=false", "a model that keeps its blocks in an nn.ModuleList"])
+
+
+class CompileClock:
+    """Seconds spent compiling (dynamo's frames and the backward graphs compiled at the first backward), and
+    how many compilations, since it was made; `close` stops counting.
+
+    torch's compile callbacks fire once per outermost compilation (nested ones are folded in), so the time
+    is not counted twice.
+    """
+
+    def __init__(self):
+        self.seconds, self.count, self._t0 = 0.0, 0, None
+        self._start = callback_handler.register_start_callback(self._started)
+        self._end = callback_handler.register_end_callback(self._ended)
+
+    def _started(self, args: CallbackArgs) -> None:
+        self._t0 = time.perf_counter()
+
+    def _ended(self, args: CallbackArgs) -> None:
+        if self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.count += 1
+            self._t0 = None
+
+    def record(self) -> dict:
+        """The figures a metrics record carries: the compile time so far and the number of compilations (a
+        number that grows after the first step means recompiling)."""
+        return {"compile_time_s": self.seconds, "compiles": self.count}
+
+    def close(self) -> None:
+        callback_handler.remove_start_callback(self._start)
+        callback_handler.remove_end_callback(self._end)
