@@ -18,10 +18,10 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
+from parallel.blocks import repeated_blocks
 from parallel.config import Config, ConfigError
 from parallel.dims import batch_mesh
 from parallel.init import InitPlan, materialize_and_init
-from parallel.blocks import repeated_blocks
 from parallel.runtime import Runtime
 from parallel.strategies.compile import compile_blocks, compiling
 from parallel.strategies.pipeline import schedules
