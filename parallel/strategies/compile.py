@@ -58,8 +58,7 @@ def compile_blocks(root: nn.Module, names: list[str]) -> None:
     for name in names:
         root.get_submodule(name).compile(dynamic=False)
     if names:
-        log.info("trainer.compile: %d blocks compiled at the first step (%s ... %s)", len(names), names[0],
-                 names[-1])
+        log.info("trainer.compile: %d blocks to compile at the first step (%s)", len(names), ", ".join(names))
 
 
 def compile_model(model: nn.Module, cfg: Config, runtime: Runtime) -> None:

@@ -1,0 +1,40 @@
+"""trainer.compile=true (each repeated block compiled: Note [regional compilation] in parallel/strategies/compile.py)
+trains to the numbers of the eager strategy=single, under the strategies that compile, without recompiling after
+the first step."""
+import pytest
+
+from tests import cli
+
+GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16"]
+
+CASES = {
+    "single": (1, ["strategy=single"]),
+    "data_zero3": (2, ["strategy=data", "strategy.zero=3"]),
+    "model": (2, ["strategy=model"]),
+    "pipeline": (2, ["strategy=pipeline"]),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(shared_dir):
+    """One inductor cache for this session's compiled runs (its xdist workers too): the blocks of a case
+    compile to the graphs another case compiled already, and a session starts from none of a previous one's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared_dir / "inductor"))
+        yield
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_blocks_train_as_eager_single(reference, tmp_path, case):
+    world, args = CASES[case]
+    ref = reference(cli.FAST + GPT)  # the eager reference test_tensor_parallel's gpt case shares
+    compiled = tmp_path / "compiled"
+    proc = cli.run(cli.FAST + GPT + args + [f"nproc={world}", "trainer.compile=true", f"run_dir={compiled}"],
+                   cwd=tmp_path)
+    cli.assert_same_training(compiled, ref)
+    records = cli.metrics(compiled)
+    # Compiled in the first step (a forward and a backward graph at least), logged once; never again after it.
+    assert records[0]["compiles"] >= 2 and records[0]["compile_time_s"] > 0, records[0]
+    assert all(r["compiles"] == records[0]["compiles"] for r in records), [r["compiles"] for r in records]
+    assert (proc.stdout + proc.stderr).count("compilations") == 1
