@@ -1,6 +1,6 @@
 """trainer.compile=true (each repeated block compiled: Note [regional compilation] in parallel/strategies/compile.py)
-trains to the numbers of the eager strategy=single, under the strategies that compile, without recompiling after
-the first step."""
+trains to the numbers of the eager strategy=single, under the strategies that compile (and with recomputed
+activations), without recompiling after the first step."""
 import pytest
 
 from tests import cli
@@ -9,6 +9,7 @@ GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "
 
 CASES = {
     "single": (1, ["strategy=single"]),
+    "single_recomputed": (1, ["strategy=single", "strategy.activations=checkpoint"]),
     "data_zero3": (2, ["strategy=data", "strategy.zero=3"]),
     "model": (2, ["strategy=model"]),
     "pipeline": (2, ["strategy=pipeline"]),
@@ -34,7 +35,8 @@ def test_compiled_blocks_train_as_eager_single(reference, tmp_path, case):
                    cwd=tmp_path)
     cli.assert_same_training(compiled, ref)
     records = cli.metrics(compiled)
-    # Compiled in the first step (a forward and a backward graph at least), logged once; never again after it.
-    assert records[0]["compiles"] >= 2 and records[0]["compile_time_s"] > 0, records[0]
+    # Compiled in the first step (from the cache when another case compiled the same graphs), logged once;
+    # never again after it.
+    assert records[0]["compiles"] >= 1 and records[0]["compile_time_s"] > 0, records[0]
     assert all(r["compiles"] == records[0]["compiles"] for r in records), [r["compiles"] for r in records]
     assert (proc.stdout + proc.stderr).count("compilations") == 1
