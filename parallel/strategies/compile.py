@@ -11,8 +11,10 @@ block of a class meets the first one's guards and reuses its code. Compilation
 is lazy: it happens in the first step (`CompileClock` times it).
 
 `dynamic=False`: a block sees one microbatch shape for the whole run, so it is
-compiled for that shape; a new shape (evaluation's last batch) compiles once
-more instead of turning every shape symbolic.
+compiled for that shape; another shape would compile once more for itself
+instead of turning every shape symbolic. The metrics' `compiles` counts every
+compilation: evaluation (no gradients) compiles its own forward once; a count
+that grows from step to step in training would mean recompiling.
 
 Where each strategy compiles, always after its own wrappers, on meta, before
 materialization (compilation records no tensors until the first call):
@@ -25,9 +27,10 @@ materialization (compilation records no tensors until the first call):
       modules are swapped in for the traced copies (parallel.strategies.pipeline.
       stages.eager_blocks): traced copies each carry their own generated code,
       so they could not share a graph.
-  offload: not compiled (a config error). Its hooks move each block's weights
-      between tiers and run its recomputation themselves, per block and per
-      microbatch; a compiled block would guard on tensors that offload swaps.
+  offload: not compiled (a config error, not a quiet eager run). Its hooks move
+      each block's weights between tiers and run its recomputation themselves,
+      per block and per microbatch; compiling the blocks under them is untried,
+      and a parity test would have to show it first.
 The planner (parallel.planner) plans the eager run: `Runtime.compile` is False
 there, since fake tensors have no values to compile against, and compiled code
 changes time, not the weights, gradients and optimizer state it counts.
