@@ -40,3 +40,10 @@ def test_compiled_blocks_train_as_eager_single(reference, tmp_path, case):
     assert records[0]["compiles"] >= 1 and records[0]["compile_time_s"] > 0, records[0]
     assert all(r["compiles"] == records[0]["compiles"] for r in records), [r["compiles"] for r in records]
     assert (proc.stdout + proc.stderr).count("compilations") == 1
+
+
+def test_where_blocks_cannot_compile_the_run_stops_before_any_worker(tmp_path):
+    proc = cli.run(GPT + ["strategy=offload", "trainer.compile=true", f"run_dir={tmp_path}"], cwd=tmp_path,
+                   check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "trainer.compile=True" in proc.stderr and "strategy=offload" in proc.stderr, proc.stderr[-2000:]
