@@ -2,9 +2,11 @@
 
 # Note [regional compilation]
 The unit compiled is a block (parallel.blocks.repeated_blocks: the items of the
-model's ModuleLists / Sequentials), not the whole model, as TorchTitan and
-Accelerate do it: `block.compile()` compiles the module's own call, so the
-blocks keep their names (no `_orig_mod.` prefix; Note [initialization by name]),
+model's ModuleLists / Sequentials, of the model's own classes: torch 2.13 does
+not compile a torch.nn module entered on its own, so those stay eager and the
+log says so; a model with only such blocks is a config error), not the whole
+model, as TorchTitan and Accelerate do it: `block.compile()` compiles the
+module's own call, so the blocks keep their names (no `_orig_mod.` prefix; Note [initialization by name]),
 and identical blocks share one compiled graph: torch 2.13 passes a module's
 parameters to the graph as inputs (inline_inbuilt_nn_modules), so the second
 block of a class meets the first one's guards and reuses its code. Compilation
@@ -56,12 +58,23 @@ def compiling(cfg: Config, runtime: Runtime) -> bool:
     return cfg.trainer.compile and runtime.compile
 
 
+def torch_own(module: nn.Module) -> bool:
+    """A module of one of torch's own classes (nn.Linear, nn.Sequential, ...): torch.compile, entered at such a
+    module's call, runs it eagerly without compiling (torch 2.13), so it is no block to compile on its own."""
+    return type(module).__module__.split(".")[0] == "torch"
+
+
 def compile_blocks(root: nn.Module, names: list[str]) -> None:
-    """Compile the blocks `names` of `root` in place (each lazily, at its first call)."""
-    for name in names:
+    """Compile the blocks `names` of `root` in place (each lazily, at its first call); a block of torch's own
+    class stays eager, and the log says so."""
+    mine = [n for n in names if not torch_own(root.get_submodule(n))]
+    for name in mine:
         root.get_submodule(name).compile(dynamic=False)
-    if names:
-        log.info("trainer.compile: %d blocks to compile at the first step (%s)", len(names), ", ".join(names))
+    if mine:
+        log.info("trainer.compile: %d blocks to compile at the first step (%s)", len(mine), ", ".join(mine))
+    left = [f"{n} ({type(root.get_submodule(n)).__name__})" for n in names if n not in mine]
+    if left:
+        log.info("trainer.compile: eager, as torch's own layers: %s", ", ".join(left))
 
 
 def compile_model(model: nn.Module, cfg: Config, runtime: Runtime) -> None:
@@ -79,10 +92,16 @@ def check_compile(cfg: Config, model: nn.Module) -> None:
         fail("trainer.compile", True, f"strategy={s} moves each block's weights and activations through its own "
              "hooks, which compiled blocks do not follow (Note [regional compilation])",
              [f"strategy={name}" for name in COMPILED] + ["trainer.compile=false"])
-    if not repeated_blocks(model):
+    blocks = repeated_blocks(model)
+    if not blocks:
         fail("trainer.compile", True, f"compiles the model's repeated blocks (the items of its ModuleLists or "
              f"Sequentials), and model={cfg.model.name} (strategy={s}) has none",
              ["trainer.compile=false", "a model that keeps its blocks in an nn.ModuleList"])
+    if all(torch_own(model.get_submodule(n)) for n in blocks):
+        classes = sorted({type(model.get_submodule(n)).__name__ for n in blocks})
+        fail("trainer.compile", True, f"model={cfg.model.name}'s repeated blocks are torch's own modules "
+             f"({', '.join(classes)}), which torch.compile runs eagerly when entered one by one",
+             ["trainer.compile=false", "blocks of a class of the model's own"])
 
 
 class CompileClock:

@@ -66,3 +66,14 @@ def test_the_planner_plans_a_compiled_run_as_the_eager_one():
         clock.close()
     assert [dataclasses.asdict(p) for p in got] == [dataclasses.asdict(p) for p in want]
     assert clock.count == 0  # nothing was compiled (Note [regional compilation])
+
+
+def test_blocks_of_torchs_own_classes_are_a_config_error():
+    cfg = Config()
+    cfg.model.name, cfg.model.args = "cnn", {}
+    cfg.trainer.compile = True
+    assert repeated_blocks(build_meta_model(cfg.model)) == ["blocks.0", "blocks.1"]  # each an nn.Sequential
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 1)
+    message = str(info.value)
+    assert message.startswith("trainer.compile=True") and "Sequential" in message, message
