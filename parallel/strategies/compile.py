@@ -60,8 +60,9 @@ def compiling(cfg: Config, runtime: Runtime) -> bool:
 
 def torch_own(module: nn.Module) -> bool:
     """A module of one of torch's own classes (nn.Linear, nn.Sequential, ...): torch.compile, entered at such a
-    module's call, runs it eagerly without compiling (torch 2.13), so it is no block to compile on its own."""
-    return type(module).__module__.split(".")[0] == "torch"
+    module's call, runs it eagerly without compiling (torch 2.13), so it is no block to compile on its own.
+    FSDP2 gives a block a class of torch's making, derived from the block's own: the whole lineage is read."""
+    return all(c.__module__.split(".")[0] in ("torch", "builtins") for c in type(module).__mro__)
 
 
 def compile_blocks(root: nn.Module, names: list[str]) -> None:
