@@ -13,6 +13,7 @@ CASES = {
     "data_zero3": (2, ["strategy=data", "strategy.zero=3"]),
     "model": (2, ["strategy=model"]),
     "pipeline": (2, ["strategy=pipeline"]),
+    "context": (2, ["strategy=context"]),
 }
 
 
