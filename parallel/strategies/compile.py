@@ -20,12 +20,14 @@ that grows from step to step in training would mean recompiling.
 
 Where each strategy compiles, always after its own wrappers, on meta, before
 materialization (compilation records no tensors until the first call):
-  single, data, model, context, hybrid without pp: the whole model's blocks,
-      after the tensor plan, the context-parallel attention, recomputation
-      (composable checkpoint) and DDP / FSDP2. FSDP2's hooks are dynamo-disabled
-      in torch 2.13 (fsdp/_fully_shard/_fsdp_state.py), so they all-gather and
-      free eagerly around the compiled block; recomputation's hooks likewise run
-      around it, and backward recomputes the compiled forward.
+  single, data, model, context, expert, hybrid without pp: the whole model's
+      blocks, after the tensor plan, the context-parallel attention, the experts'
+      placement, recomputation (composable checkpoint) and DDP / FSDP2. FSDP2's
+      hooks are dynamo-disabled in torch 2.13 (fsdp/_fully_shard/_fsdp_state.py),
+      so they all-gather and free eagerly around the compiled block;
+      recomputation's hooks likewise run around it, and backward recomputes the
+      compiled forward. A block with data-dependent steps (a mixture-of-experts
+      layer's routing) compiles in several graphs, once each.
   pipeline, hybrid with pp: each stage's blocks, after the model's own block
       modules are swapped in for the traced copies (parallel.strategies.pipeline.
       stages.eager_blocks): traced copies each carry their own generated code,
@@ -51,7 +53,7 @@ from parallel.metrics import log
 from parallel.runtime import Runtime
 
 # What trainer.compile runs with (Note [regional compilation]); offload is the one left out.
-COMPILED = ("single", "data", "model", "pipeline", "hybrid", "context")
+COMPILED = ("single", "data", "model", "pipeline", "hybrid", "context", "expert")
 
 
 def compiling(cfg: Config, runtime: Runtime) -> bool:
