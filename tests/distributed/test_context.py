@@ -106,3 +106,53 @@ def test_attention_over_three_ranks_is_exact(tmp_path):
     whole sequence (float64), with an odd cp (chunks 0+5, 1+4, 2+3)."""
     mp.start_processes(_attention_worker, args=(3, str(tmp_path / "store")), nprocs=3, join=True,
                        start_method="fork")
+
+
+def _torch_ring_worker(rank: int, cp: int, store_path: str) -> None:
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _templated_ring_attention,
+        _templated_ring_attention_backward,
+    )
+
+    from parallel.strategies.context.cuda import TorchSequenceShard, enable_torch_context_parallel
+
+    store = dist.FileStore(store_path, cp)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=cp)
+    try:
+        enable_torch_context_parallel()  # load balancing on, keys and values all-gathered
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 3, 4 * cp, 8, dtype=torch.float64, generator=g, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(2, 3, 4 * cp, 8, dtype=torch.float64, generator=g)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        want.backward(grad)
+        shard = TorchSequenceShard(cp, rank, dist.group.WORLD)
+        local = [shard.shard(t.detach(), 2) for t in (q, k, v)]
+        # The CPU's flash kernel stands in for the CUDA one torch's ring runs on GPUs.
+        cpu = torch.ops.aten
+
+        def forward(q, k, v, is_causal, **_):
+            return cpu._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, bool(is_causal))
+
+        def backward(query, key, value, out, logsumexp, is_causal, grad_out):
+            return cpu._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
+                                                                            logsumexp, 0.0, bool(is_causal))
+
+        out, lse = _templated_ring_attention(dist.group.WORLD, 2, forward, *local, is_causal=True)
+        grads = _templated_ring_attention_backward(dist.group.WORLD, 2, backward, shard.shard(grad, 2), "grad_out",
+                                                   *local, out, lse, is_causal=True)
+        # torch merges the blocks in float32 (_cp_options.convert_to_f32).
+        torch.testing.assert_close(out, shard.shard(want.detach(), 2), rtol=1e-6, atol=1e-6)
+        for mine, whole in zip(grads, (q, k, v)):
+            torch.testing.assert_close(mine, shard.shard(whole.grad, 2), rtol=1e-6, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_torchs_ring_attention_on_our_layout_is_exact(tmp_path):
+    """The CUDA path's attention (Note [context parallelism on CUDA]): torch's load-balanced ring attention,
+    forward and backward, on the chunks TorchSequenceShard hands each rank, equals causal attention over the
+    whole sequence (the CPU's kernel standing in for CUDA's, over gloo)."""
+    mp.start_processes(_torch_ring_worker, args=(3, str(tmp_path / "store")), nprocs=3, join=True,
+                       start_method="fork")

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from parallel.config import Config, ConfigError
+from parallel.strategies.context import attention_path
 from parallel.strategies.context.attention import SequenceShard
+from parallel.strategies.context.cuda import TorchSequenceShard
 from parallel.validate import validate
 
 GPT = {"model__name": "gpt", "model__args": {"vocab_size": 64, "seq_len": 16, "dim": 16, "heads": 2, "layers": 1},
@@ -27,6 +29,30 @@ def test_chunks_pair_the_first_with_the_last():
     assert sorted(sum(got, [])) == list(range(16))
     shard = SequenceShard(2, 1)
     assert shard.position_ids(torch.zeros(3, 8)).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def test_cuda_takes_torchs_ring_attention_and_the_cpu_the_exchange():
+    assert attention_path("cuda") == "torch"
+    assert attention_path("cpu") == "exchange"
+
+
+@pytest.mark.parametrize("cp,length", [(2, 8), (3, 12), (4, 32)])
+def test_torchs_load_balanced_layout_is_the_cpu_paths(cp, length):
+    """PyTorch's head-tail load balancer, sharded on the sequence, gives rank r the CPU path's chunks, in its
+    order: positions, inputs and targets are the same on both paths."""
+    x = torch.arange(3 * length).view(3, length)
+    for r in range(cp):
+        torch_shard, own = TorchSequenceShard(cp, r), SequenceShard(cp, r)
+        assert torch_shard.positions(length).tolist() == own.positions(length).tolist()
+        assert torch.equal(torch_shard.shard(x), own.shard(x))
+        assert torch_shard.position_ids(own.shard(x)).tolist() == own.position_ids(own.shard(x)).tolist()
+
+
+def test_cp_on_cuda_passes_and_compiled_cp_on_cuda_is_a_config_error():
+    validate(cfg_with(**GPT, strategy__name="context", trainer__device="cuda"), 2)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg_with(**GPT, strategy__name="context", trainer__device="cuda", trainer__compile=True), 2)
+    assert str(info.value).startswith("strategy.cp=2: trainer.compile=true with context parallelism on CUDA")
 
 
 def test_gpt_with_cp_passes():

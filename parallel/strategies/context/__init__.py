@@ -10,25 +10,41 @@ The model keeps its modules and names; what changes is where its attention looks
 
 and the engine hands each rank its chunks of every sequence (inputs and targets alike), with the tokens'
 global positions as `position_ids` (learned positions in gpt, rotary ones in Hugging Face models).
+
+Which attention runs over the cp ranks depends on the device (`attention_path`): on CUDA PyTorch's own ring
+attention (Note [context parallelism on CUDA] in cuda.py), elsewhere the exchange written here for the CPU's
+kernels and gloo (Note [context parallelism] in attention.py). Both hand rank r chunks r and 2cp-1-r.
 """
 from __future__ import annotations
 
 import sys
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.config import Config, fail
+from parallel.config import Config, cuda_run, fail
 from parallel.strategies.context.attention import SequenceShard
 
 HF_NAME = "context_parallel"  # the name the cp attention is registered under with transformers
 
 
+def attention_path(device_type: str) -> str:
+    """Which attention over the cp ranks runs on `device_type`: "torch" (PyTorch's ring attention, CUDA
+    kernels, nccl) on cuda, "exchange" (the hand-written one, the CPU's flash kernel, gloo) elsewhere."""
+    return "torch" if device_type == "cuda" else "exchange"
+
+
 def sequence_shard(mesh: DeviceMesh) -> SequenceShard | None:
-    """This rank's chunks of each sequence; None when cp is 1."""
+    """This rank's chunks of each sequence, with the attention for the mesh's device; None when cp is 1."""
     cp = mesh["cp"]
-    return SequenceShard(cp.size(), cp.get_local_rank(), cp.get_group()) if cp.size() > 1 else None
+    if cp.size() == 1:
+        return None
+    if attention_path(mesh.device_type) == "torch":
+        from parallel.strategies.context.cuda import TorchSequenceShard, enable_torch_context_parallel
+
+        enable_torch_context_parallel()
+        return TorchSequenceShard(cp.size(), cp.get_local_rank(), cp.get_group(), mesh=cp)
+    return SequenceShard(cp.size(), cp.get_local_rank(), cp.get_group())
 
 
 def _hf_attention_modules(model: nn.Module) -> list[nn.Module] | None:
@@ -105,9 +121,9 @@ def check_context(cfg: Config, model: nn.Module) -> None:
         fail(key, s.cp, f"data.seq_len={cfg.data.seq_len} must divide into 2 x cp = {2 * s.cp} chunks (load "
              "balancing pairs the first and last chunks)",
              [c for c in range(1, cfg.data.seq_len // 2 + 1) if cfg.data.seq_len % (2 * c) == 0][:8])
-    if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
-        fail(key, s.cp, "context parallelism runs on the CPU so far: its exchange computes attention with the "
-             "CPU's flash kernel (Note [context parallelism])", ["trainer.device=cpu", "1"])
+    if cuda_run(cfg.trainer.device) and cfg.trainer.compile:
+        fail(key, s.cp, "trainer.compile=true with context parallelism on CUDA (PyTorch's ring attention) is not "
+             "supported yet", ["trainer.compile=false", "trainer.device=cpu", "1"])
     if s.pp > 1:
         fail(key, s.cp, "context parallelism does not compose with pipeline parallelism yet", ["strategy.pp=1"])
     if s.sequence_parallel:
