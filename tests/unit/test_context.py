@@ -48,11 +48,25 @@ def test_torchs_load_balanced_layout_is_the_cpu_paths(cp, length):
         assert torch_shard.position_ids(own.shard(x)).tolist() == own.position_ids(own.shard(x)).tolist()
 
 
-def test_cp_on_cuda_passes_and_compiled_cp_on_cuda_is_a_config_error():
-    validate(cfg_with(**GPT, strategy__name="context", trainer__device="cuda"), 2)
+def test_cp_on_cuda_passes():
+    validate(cfg_with(**GPT, strategy__name="context", trainer__device="cuda"), 2)  # bf16: the flash kernel
+    fp32 = {**GPT, "data__seq_len": 128, "model__args": {**GPT["model__args"], "seq_len": 128}}
+    validate(cfg_with(**fp32, strategy__name="context", trainer__device="cuda", trainer__precision="fp32"), 2)
+
+
+CUDA_BAD = [
+    ({"trainer__compile": True}, "strategy.cp=2: trainer.compile=true with context parallelism on CUDA"),
+    ({"trainer__precision": "fp32"}, "strategy.cp=2: in fp32 on CUDA each of the 2 x cp chunks must hold a "
+     "multiple of 32 tokens (PyTorch's ring attention on the memory-efficient kernel); data.seq_len=16 gives 4 "
+     "(valid: ['data.seq_len=128', 'trainer.precision=bf16', '1'])"),
+]
+
+
+@pytest.mark.parametrize("changes,message", CUDA_BAD, ids=["compile", "fp32_chunks"])
+def test_what_torchs_ring_attention_does_not_take_is_a_config_error(changes, message):
     with pytest.raises(ConfigError) as info:
-        validate(cfg_with(**GPT, strategy__name="context", trainer__device="cuda", trainer__compile=True), 2)
-    assert str(info.value).startswith("strategy.cp=2: trainer.compile=true with context parallelism on CUDA")
+        validate(cfg_with(**GPT, strategy__name="context", trainer__device="cuda", **changes), 2)
+    assert str(info.value).startswith(message), str(info.value)
 
 
 def test_gpt_with_cp_passes():

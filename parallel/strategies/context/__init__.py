@@ -98,6 +98,21 @@ def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
     return shard
 
 
+def _check_cuda(cfg: Config) -> None:
+    """What PyTorch's ring attention takes on CUDA (Note [context parallelism on CUDA] in cuda.py)."""
+    s, key = cfg.strategy, "strategy.cp"
+    if cfg.trainer.compile:
+        fail(key, s.cp, "trainer.compile=true with context parallelism on CUDA (PyTorch's ring attention) is not "
+             "supported yet", ["trainer.compile=false", "trainer.device=cpu", "1"])
+    chunk = cfg.data.seq_len // (2 * s.cp)
+    if cfg.trainer.precision == "fp32" and chunk % 32:
+        # fp32 attention runs the memory-efficient kernel, whose log-sum-exp is padded to 32 rows; torch's ring
+        # merges blocks through it, so every chunk must be whole rows of 32.
+        fail(key, s.cp, f"in fp32 on CUDA each of the 2 x cp chunks must hold a multiple of 32 tokens (PyTorch's "
+             f"ring attention on the memory-efficient kernel); data.seq_len={cfg.data.seq_len} gives {chunk}",
+             [f"data.seq_len={64 * s.cp * max(1, -(-chunk // 32))}", "trainer.precision=bf16", "1"])
+
+
 def check_context(cfg: Config, model: nn.Module) -> None:
     """strategy.cp > 1 (resolved degrees): a model whose attention can be split, per-token targets, and
     sequences of a length that divides into 2 x cp chunks (Note [context parallelism])."""
@@ -121,9 +136,8 @@ def check_context(cfg: Config, model: nn.Module) -> None:
         fail(key, s.cp, f"data.seq_len={cfg.data.seq_len} must divide into 2 x cp = {2 * s.cp} chunks (load "
              "balancing pairs the first and last chunks)",
              [c for c in range(1, cfg.data.seq_len // 2 + 1) if cfg.data.seq_len % (2 * c) == 0][:8])
-    if cuda_run(cfg.trainer.device) and cfg.trainer.compile:
-        fail(key, s.cp, "trainer.compile=true with context parallelism on CUDA (PyTorch's ring attention) is not "
-             "supported yet", ["trainer.compile=false", "trainer.device=cpu", "1"])
+    if cuda_run(cfg.trainer.device):
+        _check_cuda(cfg)
     if s.pp > 1:
         fail(key, s.cp, "context parallelism does not compose with pipeline parallelism yet", ["strategy.pp=1"])
     if s.sequence_parallel:
