@@ -11,8 +11,9 @@ to a token: embeddings (at the rank's own positions), norms, MLPs, the head and 
 Attention needs the keys and values of the whole sequence. PyTorch's own context parallelism
 (`torch.distributed.tensor.experimental.context_parallel`, ring attention) does not run here: it handles the
 CUDA kernels (flash, efficient, cuDNN) only, and torch 2.13 fails on the CPU's
-`_scaled_dot_product_flash_attention_for_cpu` ("does not have a sharding strategy registered"). So the
-exchange is written here, exactly:
+`_scaled_dot_product_flash_attention_for_cpu` ("does not have a sharding strategy registered"). On CUDA it
+is what runs (Note [context parallelism on CUDA] in cuda.py, same chunks); for the CPU and gloo the exchange is
+written here, exactly:
 
   forward   the keys and values of all ranks are all-gathered over the cp group and put back in sequence
             order; each local query chunk c attends to each chunk before it (no mask) and to itself (causal),

@@ -11,6 +11,12 @@ load balancing on (causal attention, `_cp_options.enable_load_balance`), keys an
 all-gather (`set_rotate_method("allgather")`, torch's default, the same exchange as the CPU path's), the
 gradients of keys and values passed round the ring with all-to-all (torch's fixed choice).
 
+Kernel rows. The memory-efficient kernel (fp32 on CUDA) returns its log-sum-exp padded to a multiple of 32
+rows (torch/_meta_registrations.py), and torch's merge broadcasts it against the output, whole and by halves:
+each chunk must be whole rows of 32 in fp32 (checked before the run); the flash (bf16) and cuDNN kernels return
+one row per token. The dispatcher is process-wide: it would send any SDPA on DTensors to the ring, and nothing
+else here calls SDPA on DTensors (the tensor plan hands attention local q, k, v).
+
 Layout. torch's load balancer (`_HeadTailLoadBalancer`) reorders a sequence of 2 x cp chunks as chunk 0,
 2cp-1, 1, 2cp-2, ... and `Shard(seq_dim)` gives rank r the r-th piece: chunks r and 2cp-1-r, in that order,
 which is the CPU path's layout (Note [context parallelism] in attention.py). The positions here are read off
@@ -25,7 +31,7 @@ What was checked, with no GPU where this was written (torch 2.13):
                    `attend` wraps q, k, v as DTensors without a module and reaches torch's dispatcher (which on
                    the CPU stops at its flash kernel, "no sharding strategy registered").
   read only        that SDPA on those DTensors reaches the ring version of the CUDA kernels through the
-                   dispatcher, and that the dispatcher, left on, serves the backward kernels too.
+                   dispatcher, that the dispatcher, left on, serves the backward kernels too, and the 32 rows.
   not run          training on GPUs (tests/distributed/test_cuda.py: cp 2 vs single, skipped without two CUDA
                    devices); trainer.compile with cp on CUDA is a config error (check_context).
 """
