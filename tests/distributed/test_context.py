@@ -17,6 +17,8 @@ GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "
 CASES = {
     "dp2_cp2_zero3": (["strategy=hybrid", "strategy.dp=2", "strategy.cp=2", "strategy.zero=3"], 4),
     "cp2_tp2": (["strategy=hybrid", "strategy.cp=2", "strategy.tp=2"], 4),
+    # Note [context parallelism under the pipeline]: stages traced on each rank's chunks, positions an input
+    "pp2_cp2": (["strategy=hybrid", "strategy.pp=2", "strategy.cp=2"], 4),
 }
 
 

@@ -10,6 +10,19 @@ The model keeps its modules and names; what changes is where its attention looks
 
 and the engine hands each rank its chunks of every sequence (inputs and targets alike), with the tokens'
 global positions as `position_ids` (learned positions in gpt, rotary ones in Hugging Face models).
+
+# Note [context parallelism under the pipeline]
+strategy=hybrid with pp > 1 and cp > 1 (the built-in gpt). The pipeline traces the model with torch.export
+(Note [tracing for the pipeline]), which could not trace the cp exchange (collectives inside an
+autograd.Function) and would bake the first stage's `arange(T)` positions into its graph. Neither reaches
+the trace: the model is traced on one rank's share of a microbatch, tokens (b, T / cp) with `position_ids`
+(b, T / cp) as a second input (`example_microbatch`), so every stage's graph and the shapes crossing stages
+are those of the rank's chunks, and the positions come from the engine at run time. Attention is traced as
+the model's plain attention; it runs inside the blocks, which strategy=hybrid swaps back for the model's own
+modules before building the stages (`eager_blocks`), and those take the cp attention (`point_attention`).
+The engine cuts inputs and targets to the rank's chunks and hands the positions one row per sample, so the
+schedule splits them into microbatches with the tokens. The loss count and the gradient average span
+dp x ep x cp as without the pipeline.
 """
 from __future__ import annotations
 
@@ -62,6 +75,13 @@ def _hf_attend(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return out.transpose(1, 2).contiguous(), None
 
 
+def point_attention(module: nn.Module, shard: SequenceShard) -> None:
+    """Point the built-in gpt attention modules inside `module` (a model or a pipeline stage) at the cp ranks,
+    in place."""
+    for attention in attention_modules(module):
+        attention.attend = shard.attend
+
+
 def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
     """Point `model`'s attention at the cp ranks, in place; returns the layout the engine splits batches by
     (None when cp is 1)."""
@@ -77,8 +97,7 @@ def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
             module.context_shard = shard
         model.set_attn_implementation(HF_NAME)
         return shard
-    for module in attention_modules(model):
-        module.attend = shard.attend
+    point_attention(model, shard)
     return shard
 
 
@@ -108,8 +127,12 @@ def check_context(cfg: Config, model: nn.Module) -> None:
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
         fail(key, s.cp, "context parallelism runs on the CPU so far: its exchange computes attention with the "
              "CPU's flash kernel (Note [context parallelism])", ["trainer.device=cpu", "1"])
-    if s.pp > 1:
-        fail(key, s.cp, "context parallelism does not compose with pipeline parallelism yet", ["strategy.pp=1"])
+    from parallel.models.gpt import GPT
+
+    if s.pp > 1 and not isinstance(model, GPT):  # its forward takes (tokens, position_ids)
+        fail(key, s.cp, f"context parallelism composes with pipeline parallelism for the built-in gpt so far; "
+             f"{type(model).__name__}'s pipeline stages would need positions as a traced input (Note [context "
+             "parallelism under the pipeline])", ["strategy.pp=1", "model=gpt", "1"])
     if s.sequence_parallel:
         fail("strategy.sequence_parallel", True, "does not compose with context parallelism yet (strategy.cp="
              f"{s.cp})", [False])
