@@ -110,10 +110,10 @@ def validate(cfg: Config, world_size: int) -> None:
     check_compile(cfg, build_meta_model(cfg.model))
     if tensor_parallel(s):
         check_plan(build_meta_model(cfg.model), cfg)
+    if s.cp > 1:  # before the split, which traces the model on the cp chunks
+        check_context(cfg, build_meta_model(cfg.model))
     if pipelined(s):
         check_split(build_meta_model(cfg.model), cfg)
-    if s.cp > 1:
-        check_context(cfg, build_meta_model(cfg.model))
     out = check_model_takes_data(cfg)
     if out is not None:
         check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data))

@@ -20,6 +20,10 @@ CASES = {
 }
 
 
+# Evaluation and gradient accumulation: the single reference shared by the cp 2 and pp 2 x cp 2 runs.
+EVAL = ["trainer.steps=4", "trainer.eval_every=2", "trainer.grad_accum=2"]
+
+
 @pytest.fixture(scope="module")
 def cp2_run(tmp_path_factory):
     """gpt under strategy=context on 2 ranks, with a checkpoint at step 3 (shared by two tests)."""
@@ -59,12 +63,25 @@ def test_hybrid_with_cp_matches_single(reference, tmp_path, case):
 def test_evaluation_and_accumulation_under_cp_match_single(reference, tmp_path):
     """Evaluation scores each rank's chunks and adds them up over the cp ranks; gradient accumulation and
     ZeRO-2 sharding over the cp ranks keep the single run's numbers."""
-    extra = ["trainer.steps=4", "trainer.eval_every=2", "trainer.grad_accum=2"]
-    cli.run(cli.FAST + GPT + extra + ["nproc=2", "strategy=context", "strategy.zero=2", f"run_dir={tmp_path}"],
+    cli.run(cli.FAST + GPT + EVAL + ["nproc=2", "strategy=context", "strategy.zero=2", f"run_dir={tmp_path}"],
             cwd=tmp_path)
-    ref = reference(cli.FAST + GPT + extra)
-    cli.assert_same_training(tmp_path, ref)
-    got, want = ([r["eval_loss"] for r in cli.metrics(d) if "eval_loss" in r] for d in (tmp_path, ref))
+    _assert_same_training_and_evaluation(tmp_path, reference(cli.FAST + GPT + EVAL))
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_with_cp_matches_single(reference, tmp_path):
+    """pp 2 x cp 2 (Note [context parallelism under the pipeline]): the stages are traced on each rank's chunks
+    with their positions as an input and their blocks attend over the cp ranks; training and evaluation keep the
+    single run's numbers (the reference accumulates gradients in 2 micro-steps; the pipeline's 4 microbatches
+    sum the same global loss)."""
+    cli.run(cli.FAST + GPT + EVAL[:2] + ["nproc=4", "strategy=hybrid", "strategy.pp=2", "strategy.cp=2",
+                                         f"run_dir={tmp_path}"], cwd=tmp_path, timeout=300)
+    _assert_same_training_and_evaluation(tmp_path, reference(cli.FAST + GPT + EVAL))
+
+
+def _assert_same_training_and_evaluation(run_dir, ref) -> None:
+    cli.assert_same_training(run_dir, ref)
+    got, want = ([r["eval_loss"] for r in cli.metrics(d) if "eval_loss" in r] for d in (run_dir, ref))
     assert len(want) == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 

@@ -81,8 +81,9 @@ BAD = [
      "strategy.cp=2: context parallelism splits causal self-attention, and MLP has none"),
     ({"data__task": "classification", "data__inputs": "tokens"}, 2, "strategy.cp=2: context parallelism splits "
      "sequences with a target per token"),
-    ({"strategy__name": "hybrid", "strategy__cp": 2, "strategy__pp": 2}, 4, "strategy.cp=2: context parallelism "
-     "does not compose with pipeline"),
+    ({"strategy__name": "hybrid", "strategy__cp": 2, "strategy__pp": 2, "model__name": "custom",
+      "model___target_": "tests.hf_models.gpt2", "model__args": {}}, 4,
+     "strategy.cp=2: context parallelism composes with pipeline parallelism for the built-in gpt so far"),
     ({"strategy__cp": 3}, 4, "strategy.cp=3: the degrees must multiply to the world size: dp 1 x ep 1 x pp 1 x cp 3 "
      "x tp 1 = 3 != world size 4"),
     ({"strategy__name": "hybrid", "strategy__dp": 2, "strategy__cp": 2, "strategy__tp": 2, "strategy__pp": 1}, 4,

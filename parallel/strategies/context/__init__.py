@@ -14,6 +14,19 @@ global positions as `position_ids` (learned positions in gpt, rotary ones in Hug
 Which attention runs over the cp ranks depends on the device (`attention_path`): on CUDA PyTorch's own ring
 attention (Note [context parallelism on CUDA] in cuda.py), elsewhere the exchange written here for the CPU's
 kernels and gloo (Note [context parallelism] in attention.py). Both hand rank r chunks r and 2cp-1-r.
+
+# Note [context parallelism under the pipeline]
+strategy=hybrid with pp > 1 and cp > 1 (the built-in gpt). The pipeline traces the model with torch.export
+(Note [tracing for the pipeline]), which could not trace the cp exchange (collectives inside an
+autograd.Function) and would bake the first stage's `arange(T)` positions into its graph. Neither reaches
+the trace: the model is traced on one rank's share of a microbatch, tokens (b, T / cp) with `position_ids`
+(b, T / cp) as a second input (`example_microbatch`), so every stage's graph and the shapes crossing stages
+are those of the rank's chunks, and the positions come from the engine at run time. Attention is traced as
+the model's plain attention; it runs inside the blocks, which strategy=hybrid swaps back for the model's own
+modules before building the stages (`eager_blocks`), and those take the cp attention (`point_attention`).
+The engine cuts inputs and targets to the rank's chunks and hands the positions one row per sample, so the
+schedule splits them into microbatches with the tokens. The loss count and the gradient average span
+dp x ep x cp as without the pipeline.
 """
 from __future__ import annotations
 
@@ -78,6 +91,13 @@ def _hf_attend(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return out.transpose(1, 2).contiguous(), None
 
 
+def point_attention(module: nn.Module, shard: SequenceShard) -> None:
+    """Point the built-in gpt attention modules inside `module` (a model or a pipeline stage) at the cp ranks,
+    in place."""
+    for attention in attention_modules(module):
+        attention.attend = shard.attend
+
+
 def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
     """Point `model`'s attention at the cp ranks, in place; returns the layout the engine splits batches by
     (None when cp is 1)."""
@@ -93,8 +113,7 @@ def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
             module.context_shard = shard
         model.set_attn_implementation(HF_NAME)
         return shard
-    for module in attention_modules(model):
-        module.attend = shard.attend
+    point_attention(model, shard)
     return shard
 
 
@@ -138,8 +157,12 @@ def check_context(cfg: Config, model: nn.Module) -> None:
              [c for c in range(1, cfg.data.seq_len // 2 + 1) if cfg.data.seq_len % (2 * c) == 0][:8])
     if cuda_run(cfg.trainer.device):
         _check_cuda(cfg)
-    if s.pp > 1:
-        fail(key, s.cp, "context parallelism does not compose with pipeline parallelism yet", ["strategy.pp=1"])
+    from parallel.models.gpt import GPT
+
+    if s.pp > 1 and not isinstance(model, GPT):  # its forward takes (tokens, position_ids)
+        fail(key, s.cp, f"context parallelism composes with pipeline parallelism for the built-in gpt so far; "
+             f"{type(model).__name__}'s pipeline stages would need positions as a traced input (Note [context "
+             "parallelism under the pipeline])", ["strategy.pp=1", "model=gpt", "1"])
     if s.sequence_parallel:
         fail("strategy.sequence_parallel", True, "does not compose with context parallelism yet (strategy.cp="
              f"{s.cp})", [False])

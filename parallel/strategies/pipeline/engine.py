@@ -35,7 +35,7 @@ from parallel.torch_patches import forward_only_actions
 
 
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan,
-                   transform=None, shape_transform=None) -> "PipelineEngine":
+                   transform=None, shape_transform=None, sequence=None) -> "PipelineEngine":
     """Split `model` (on meta) into stages over the mesh's pp dimension; return this rank's engine.
 
     Args:
@@ -47,6 +47,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
             the shapes crossing stages (tensor parallelism: a stage may end in
             a sharded layer). Used only when the shapes are given up front
             (`runtime.static_shapes`), where every stage is shaped on a copy.
+        sequence: context parallelism's layout (strategy=hybrid; `transform` points the stages' attention at
+            the cp ranks): the engine hands the first stage this rank's chunks of every sequence and their
+            positions, and the last stage the matching targets.
     """
     split = plan_split(model, cfg, batch_mesh(mesh).size(), runtime)
     log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
@@ -60,7 +63,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
         groups.setdefault(entry.canonical, []).append(name)
     tied_names = [names for names in groups.values() if len(names) > 1]
     loss = build_loss(cfg.loss, cfg.data.task)
-    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss, tied_names, compute_time)
+    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss, tied_names, compute_time, sequence)
 
 
 class PipelineEngine(Engine):
@@ -72,11 +75,15 @@ class PipelineEngine(Engine):
         tied: this rank's copies of weights tied across stages.
         loss: the run's loss (Note [global loss] in parallel/loss.py).
         tied_names: every group of parameter names that share one weight.
+        sequence: context parallelism's layout (parallel.strategies.context.SequenceShard); None: whole
+            sequences.
     """
 
     def __init__(self, cfg: Config, mesh: DeviceMesh, split: Split, stages: list[TimedStage], modules,
-                 tied: list[TiedCopy], loss: Loss, tied_names: list[list[str]], compute_time: ComputeTime):
+                 tied: list[TiedCopy], loss: Loss, tied_names: list[list[str]], compute_time: ComputeTime,
+                 sequence=None):
         s = cfg.strategy
+        self.sequence = sequence
         self.tied_names = tied_names
         self.cfg, self.mesh, self.split, self.stages, self.tied = cfg, mesh, split, stages, tied
         self.model = nn.ModuleList(modules)  # what the optimizer and the memory watch see
@@ -102,7 +109,7 @@ class PipelineEngine(Engine):
         """Run the schedule over the batch; returns this rank's part of the global loss (0 off the last
         stage)."""
         losses: list[torch.Tensor] = []
-        args = (x,) if self.has_first else ()
+        args, y = self._local(x, y)
         # Every stage reads the batch, so each counts the targets itself; only the last one uses the count.
         scale = grad_average(self.loss_group)
         self.loss.start_step(y, self.loss_group, scale)
@@ -116,6 +123,16 @@ class PipelineEngine(Engine):
             return torch.zeros((), device=x.device)
         return torch.stack([l.detach().float() for l in losses]).sum() / scale
 
+    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+        """The first stage's inputs (none on other stages) and the targets, cut to this rank's chunks of every
+        sequence under context parallelism, with the chunks' positions, one row per sample so the schedule
+        splits them into microbatches with the tokens (Note [context parallelism under the pipeline])."""
+        if self.sequence is None:
+            return ((x,) if self.has_first else ()), y
+        x, y = self.sequence.shard(x), self.sequence.shard(y)
+        positions = self.sequence.position_ids(x).expand(x.shape[0], -1).contiguous()
+        return ((x, positions) if self.has_first else ()), y
+
     def _loss(self, out, target) -> torch.Tensor:
         """The schedule's loss function: a microbatch's share of the loss, or its scores while evaluating."""
         if self.scores is None:
@@ -128,10 +145,11 @@ class PipelineEngine(Engine):
         backward; the stages set up their send and receive buffers again for it, and again at the next
         training step); the last stage scores each microbatch."""
         self.scores = torch.zeros(3, dtype=torch.float64, device=x.device)
+        args, y = self._local(x, y)
         v_shaped = self.cfg.strategy.schedule in schedules.V_SHAPED
         try:
             with evaluating(list(self.model)), forward_only_actions(self.schedule) if v_shaped else nullcontext():
-                self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+                self.schedule.eval(*args, target=y if self.has_last else None)
             return self.scores
         finally:
             self.scores = None

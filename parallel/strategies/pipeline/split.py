@@ -41,8 +41,15 @@ def microbatches(cfg: Config) -> int:
 
 
 def example_microbatch(cfg: Config, dp: int) -> tuple:
-    """The positional inputs of one microbatch (meta tensors), as the data source will hand them out."""
-    return example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg))
+    """The positional inputs of one microbatch (meta tensors), as the data source will hand them out; under
+    context parallelism (strategy=hybrid), this rank's chunks of each sequence and their positions (Note
+    [context parallelism under the pipeline] in parallel/strategies/context/__init__.py)."""
+    example = example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg))
+    cp = cfg.strategy.cp
+    if cp == 1:
+        return example
+    tokens = example[0].narrow(1, 0, example[0].shape[1] // cp)
+    return tokens, torch.zeros_like(tokens)
 
 
 def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime, trace_split: bool = True) -> Split:
