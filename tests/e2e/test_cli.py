@@ -117,7 +117,9 @@ def test_failed_worker_under_torchrun_shows_its_error_once(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "error: worker rank 1 failed: RuntimeError: boom from the user's forward" in out
-    assert "rank 0: stopped: another worker failed" in out  # one line, not a traceback of its own
+    # Rank 0 says one line when its collective fails first; when torchrun's SIGTERM reaches it first (a loaded
+    # machine), it is stopped before it can say anything. Either way, no traceback of its own (below).
+    assert all("stopped: another worker failed" in line for line in out.splitlines() if line.startswith("rank 0:"))
     # torchrun's own, and its summary's of the first failure (rank 1): no worker prints one besides
     assert out.count("Traceback (most recent call last)") == 2, out
 
