@@ -51,6 +51,7 @@ from parallel.lr_schedule import group_settings, restore_scheduler
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
 from parallel.optim import state_shapes
+from parallel.profiling import phased
 from parallel.seeding import rng_state, set_rng_state
 
 SUFFIX = ".partial"
@@ -202,6 +203,7 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.last)
 
+    @phased("checkpoint_save")  # in a profile (Note [profiles])
     def save(self, run, step: int) -> Path:
         rank = dist.get_rank()
         final = step_dir(self.root, step)

@@ -265,6 +265,11 @@ class TrainerConfig:
     eval_batches: int = 4
     # Compile each repeated block with torch.compile (Note [regional compilation] in parallel/strategies/compile.py).
     compile: bool = False
+    # Profile steps [START, END] (inclusive) with torch.profiler on every rank: Chrome traces in <run_dir>/profile/
+    # (Note [profiles] in parallel/profiling.py). None: no profiler.
+    profile: Optional[List[int]] = None
+    # CUDA: record the allocator's history; a snapshot in <run_dir>/memory_snapshot/ on OOM and at the end.
+    memory_snapshot: bool = False
 
 
 @dataclass

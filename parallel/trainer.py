@@ -30,6 +30,7 @@ from parallel.models import weights
 from parallel.models.build import build_meta_model
 from parallel.models.moe_stats import moe_record
 from parallel.optim import all_sum, build_optimizer, param_names
+from parallel.profiling import Profiling, phase
 from parallel.runtime import Runtime
 from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
@@ -158,13 +159,17 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     collective out of every step.
     """
     t0 = time.perf_counter()
-    x, y = next_batch(run, step)
+    with phase("data"):  # the phases a profile names (Note [profiles] in parallel/profiling.py)
+        x, y = next_batch(run, step)
     data_time = time.perf_counter() - t0
-    loss = run.engine.forward_backward(x, y)
-    norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
+    with phase("forward_backward"):
+        loss = run.engine.forward_backward(x, y)
+    with phase("clip"):
+        norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)
+    with phase("optimizer_step"):
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scheduler.step()
     return loss, norm, data_time
 
 
@@ -175,6 +180,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     metrics = Metrics(run_dir, run.is_logger, OmegaConf.to_yaml(OmegaConf.structured(cfg)), start)
     checkpoints = checkpoint.Checkpointer(cfg, run_dir)
     memory = PeakMemory(run.device)
+    profiling = Profiling(t, run_dir, run.device)  # trainer.profile, trainer.memory_snapshot
     bar = tqdm(total=t.steps, initial=start, disable=not (run.is_logger and t.progress), desc="train",
                leave=False)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
@@ -187,7 +193,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
         logging_step = step % t.log_every == 0 or step == t.steps
         watched = step == start + 1 or logging_step
         t0 = time.perf_counter()
-        with memory.watch(run.engine, run.optimizer) if watched else contextlib.nullcontext():
+        with profiling.step(step), memory.watch(run.engine, run.optimizer) if watched else contextlib.nullcontext():
             loss, norm, data_time = train_step(run, step)
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
@@ -206,6 +212,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
         if checkpoints.due(step):
             checkpoints.save(run, step)
     gc.unfreeze()  # a sweep runs several jobs in one process: let this run's objects go
+    profiling.close()
     bar.close()
     metrics.close()
     return losses

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from parallel.offload.tiers import Counters, aligned, finish, raw_bytes
+from parallel.profiling import phase
 
 SMALL = 4096  # bytes; smaller saved tensors stay where they are (moving them costs more than it saves)
 
@@ -97,7 +98,8 @@ class ActivationStore:
         while len(self.in_flight) > self.max_pending:
             old = self.in_flight.popleft()
             t0 = time.perf_counter()
-            finish(old.written)
+            with phase("offload activations write wait"):  # in a profile (Note [profiles])
+                finish(old.written)
             self.counters.add(wait_s=time.perf_counter() - t0)  # the device waits for the disk
         return h
 
@@ -109,7 +111,8 @@ class ActivationStore:
             self._start_read(h)
         if h.pending is not None:  # read started here or by a prefetch: wait until it lands
             t0 = time.perf_counter()
-            finish(h.pending)
+            with phase("offload activations read wait"):
+                finish(h.pending)
             self.counters.add(wait_s=time.perf_counter() - t0)
             h.pending = None
         t = h.tensor
@@ -134,7 +137,8 @@ class ActivationStore:
         cpu = src if src.device.type == "cpu" else src.cpu()
 
         def run():
-            os.pwrite(self.fd, raw_bytes(cpu), h.offset)
+            with phase("offload activations write"):
+                os.pwrite(self.fd, raw_bytes(cpu), h.offset)
             self.counters.add(written=h.nbytes)
         return self.pool.submit(run)
 
@@ -150,7 +154,8 @@ class ActivationStore:
         dst = h.tensor if self.device.type == "cpu" else torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
 
         def run():
-            got = os.preadv(self.fd, [raw_bytes(dst)], h.offset)
+            with phase("offload activations read"):
+                got = os.preadv(self.fd, [raw_bytes(dst)], h.offset)
             if got != h.nbytes:
                 raise OSError(f"{self.file_path}: read {got} of {h.nbytes} bytes of a saved activation")
             self.counters.add(read=h.nbytes)

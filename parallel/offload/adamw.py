@@ -26,6 +26,7 @@ from parallel.offload.pool import BufferPool
 from parallel.offload.stream import WeightStream
 from parallel.offload.tiers import finish
 from parallel.optim import optimizer_class, optimizer_kwargs, param_groups
+from parallel.profiling import phased
 
 # The classes the offload step implements, and the optim.args each takes (besides lr and weight decay).
 SUPPORTED = {torch.optim.AdamW: (), torch.optim.SGD: ("momentum", "dampening", "nesterov")}
@@ -199,6 +200,7 @@ class BlockAdamW:
                 self.started.add(p)
 
     @torch.no_grad()
+    @phased("offload optimizer step")  # in a profile (Note [profiles])
     def _step_block(self, b: Block, slots: list[Slot], params: torch.Tensor | None, grads: torch.Tensor,
                     coef: torch.Tensor | None, hyper: list[dict]) -> None:
         """The step of block `b` (weights in `params`, or read here), then everything written back."""

@@ -25,6 +25,7 @@ from parallel.config import Config
 from parallel.engine import autocast
 from parallel.offload.layout import Block
 from parallel.offload.tiers import finish
+from parallel.profiling import phased
 
 THREAD = "offload-ahead"  # the name of the thread the frozen part runs on (the hooks check it)
 
@@ -63,6 +64,7 @@ class FrozenLookahead:
         """The input of the next step: its frozen features are computed while this step trains."""
         self.next_input = x_next
 
+    @phased("offload frozen forward ahead")  # in a profile (Note [profiles])
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), autocast(self.cfg, self.device):
             return self.model.frozen_forward(x)

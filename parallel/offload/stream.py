@@ -14,6 +14,7 @@ import torch
 
 from parallel.offload.layout import Block
 from parallel.offload.tiers import Counters, finish
+from parallel.profiling import phase
 
 
 class WeightStream:
@@ -51,7 +52,8 @@ class WeightStream:
         self.fetch(b)
         if b.pending is not None:
             t0 = time.perf_counter()
-            finish(b.pending)
+            with phase(f"offload params wait {b.name}"):  # in a profile (Note [profiles])
+                finish(b.pending)
             self.waits.add(wait_s=time.perf_counter() - t0)
             b.pending = None
         self.bind(b)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from parallel.profiling import phase
 from parallel.units import human_bytes
 
 TIERS = ("device", "cpu", "disk", "auto")
@@ -106,7 +107,7 @@ class DiskTier:
     def write(self, key: str, src: torch.Tensor) -> Future:
         """Copy the bytes of `src` (contiguous, CPU) to the file of `key`."""
         def run():
-            with open(self._file(key), "wb", buffering=0) as f:
+            with phase(f"offload {self.path.name} write {key}"), open(self._file(key), "wb", buffering=0) as f:
                 f.write(raw_bytes(src))
             self.counters.add(written=src.numel() * src.element_size())
         return self.pool.submit(run)
@@ -115,7 +116,7 @@ class DiskTier:
         """Fill `dst` (contiguous, CPU) from the file of `key`."""
         def run():
             n = dst.numel() * dst.element_size()
-            with open(self._file(key), "rb", buffering=0) as f:
+            with phase(f"offload {self.path.name} read {key}"), open(self._file(key), "rb", buffering=0) as f:
                 got = f.readinto(raw_bytes(dst))
             if got != n:
                 raise OSError(f"{self._file(key)}: read {got} of {n} bytes (the file was truncated)")
@@ -150,7 +151,7 @@ class HostTier:
         if host is None:
             host = self.host[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with phase(f"offload cpu write {key}"), torch.cuda.stream(self.stream):
             host.copy_(src, non_blocking=True)
             src.record_stream(self.stream)
         self.counters.add(written=src.numel() * src.element_size())
@@ -158,7 +159,7 @@ class HostTier:
 
     def read(self, key: str, dst: torch.Tensor) -> "_Event":
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with phase(f"offload cpu read {key}"), torch.cuda.stream(self.stream):
             dst.copy_(self.host[key], non_blocking=True)
             dst.record_stream(self.stream)
         self.counters.add(read=dst.numel() * dst.element_size())

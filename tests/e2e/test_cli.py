@@ -82,6 +82,7 @@ BAD_CLI = [
     (["model=custom", "model._target_=tests.user_model.not_a_module"], "model._target_"),
     (["model=transformer9"], "model"),
     (["trainer.checkpoint_every=often"], "trainer.checkpoint_every"),
+    (["trainer.profile=[2.5,3]"], "trainer.profile"),  # not steps
     (["trainer.resume=nowhere"], "trainer.resume"),
     (["model=gpt"], "data.task"),
 ]

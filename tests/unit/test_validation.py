@@ -28,6 +28,10 @@ BAD = [
     ({"trainer__precision": "fp8"}, 1, "trainer.precision"),
     ({"trainer__timeout_s": 0.0}, 1, "trainer.timeout_s"),
     ({"trainer__precision": "bf16", "trainer__device": "cpu"}, 1, "trainer.precision"),
+    ({"trainer__profile": [3, 2]}, 1, "trainer.profile"),  # reversed
+    ({"trainer__profile": [0, 2]}, 1, "trainer.profile"),  # steps count from 1
+    ({"trainer__profile": [40, 51]}, 1, "trainer.profile"),  # past trainer.steps (50)
+    ({"trainer__profile": [1, 2, 3]}, 1, "trainer.profile"),  # not two steps
     ({"strategy__name": "magic"}, 1, "strategy.name"),
     ({"strategy__name": "data", "strategy__zero": 4}, 2, "strategy.zero"),
     ({"strategy__name": "single"}, 2, "strategy"),

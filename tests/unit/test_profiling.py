@@ -1,0 +1,83 @@
+"""trainer.profile and trainer.memory_snapshot in one process (parallel/profiling.py, Note [profiles]); a whole
+profiled pipeline run is in tests/e2e/test_observe.py."""
+import contextlib
+import json
+import logging
+import pickle
+
+import pytest
+import torch
+
+from parallel import profiling
+from parallel.config import TrainerConfig
+from parallel.profiling import Profiling, phase
+
+
+def _names(path) -> set[str]:
+    return {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+
+
+def test_profiler_runs_over_its_steps_only_and_names_the_phases(tmp_path):
+    p = Profiling(TrainerConfig(steps=4, profile=[2, 3]), tmp_path, torch.device("cpu"))
+    seen = []
+    for step in range(1, 5):
+        with p.step(step):
+            with phase("forward_backward"):
+                torch.ones(8).sum()
+            seen.append((profiling.active(), type(phase("x")) is contextlib.nullcontext))
+        if step == 3:  # written when its last step ends
+            assert (tmp_path / "profile" / "rank0.json").exists()
+    p.close()
+    assert seen == [(False, True), (True, False), (True, False), (False, True)]
+    names = _names(tmp_path / "profile" / "rank0.json")
+    assert {"ProfilerStep#2", "ProfilerStep#3", "forward_backward", "aten::sum"} <= names
+    assert not {"ProfilerStep#1", "ProfilerStep#4"} & names
+
+
+def test_a_step_that_fails_inside_the_range_leaves_the_trace_of_what_ran(tmp_path):
+    p = Profiling(TrainerConfig(steps=4, profile=[1, 4]), tmp_path, torch.device("cpu"))
+    with p.step(1):
+        torch.ones(2).sum()
+    with pytest.raises(RuntimeError, match="boom"), p.step(2):
+        raise RuntimeError("boom")
+    assert not profiling.active()
+    assert "ProfilerStep#2" in _names(tmp_path / "profile" / "rank0.json")
+    p.close()  # nothing left to stop
+
+
+def test_memory_snapshot_on_the_cpu_warns_and_records_nothing(tmp_path):
+    log = logging.getLogger("parallel")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.addHandler(handler)
+    try:
+        p = Profiling(TrainerConfig(memory_snapshot=True), tmp_path, torch.device("cpu"))
+        with p.step(1):
+            pass
+        p.close()
+    finally:
+        log.removeHandler(handler)
+    (warning,) = [r for r in records if r.levelno == logging.WARNING]
+    assert "trainer.memory_snapshot=true" in warning.getMessage() and "nothing is recorded" in warning.getMessage()
+    assert not (tmp_path / "memory_snapshot").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_snapshot_on_cuda_at_the_end_and_on_out_of_memory(tmp_path):
+    device = torch.device("cuda")
+    end, oom = tmp_path / "end", tmp_path / "oom"
+    p = Profiling(TrainerConfig(memory_snapshot=True), end, device)
+    with p.step(1):
+        kept = torch.empty(1 << 20, device=device)
+    p.close()
+    snapshot = pickle.loads((end / "memory_snapshot" / "rank0.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"]
+    assert any(e["action"] == "alloc" and e["size"] >= kept.nbytes for e in snapshot["device_traces"][0])
+
+    p = Profiling(TrainerConfig(memory_snapshot=True), oom, device)
+    with pytest.raises(torch.cuda.OutOfMemoryError), p.step(1):
+        torch.empty(1 << 50, dtype=torch.uint8, device=device)  # a petabyte
+    assert (oom / "memory_snapshot" / "rank0.pickle").exists()
+    assert p.snapshot is None  # recording stopped with the dump
