@@ -7,11 +7,16 @@ their messages to logs/rank<N>.log in the run directory.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
+import os
 import resource
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +25,7 @@ from tqdm import tqdm
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 
 log = logging.getLogger("parallel")
+PICTURE_EVERY_S = 60.0  # Note [pictures]
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -103,8 +109,27 @@ class PeakMemory:
         return self.peak
 
 
+@dataclass
+class Picture:
+    """A picture a record carries: to TensorBoard's images under `tag` and to `<run_dir>/<file>`, not to
+    metrics.jsonl. `draw(step)` makes its PNG bytes; only the logging rank calls it, and only when
+    `Metrics` writes the picture (Note [pictures])."""
+
+    tag: str
+    file: str
+    draw: Callable[[int], bytes]
+
+
 class Metrics:
-    """Writes one record per logged step to metrics.jsonl and TensorBoard (logging rank only)."""
+    """Writes one record per logged step to metrics.jsonl and TensorBoard (logging rank only).
+
+    # Note [pictures]
+    Drawing a picture costs about a tenth of a second or more (matplotlib), too
+    much for every logged step of a fast run. A record's pictures are written
+    when PICTURE_EVERY_S seconds have passed since the last was, and the
+    latest at the end of the run (`close`), each at the step whose record
+    carried it; the file in the run directory is overwritten each time.
+    """
 
     def __init__(self, run_dir: Path, is_logger: bool, hparams_text: str = "", start: int = 0):
         """`start`: the step a resumed run continues after; what the run logged past it (before it
@@ -123,13 +148,20 @@ class Metrics:
             if hparams_text and not start:
                 self.writer.add_text("config", "```\n" + hparams_text + "\n```", 0)
             self._file = open(self.path, "a", buffering=1)
+        self.pending: dict[str, tuple[int, Picture]] = {}  # tag -> (step, picture) not written yet
+        self.pictures_at = time.monotonic()  # when pictures were last written (Note [pictures])
 
     def log(self, record: dict) -> None:
-        """Append `record` (must hold `step`) to both sinks."""
+        """Append `record` (must hold `step`) to both sinks; its pictures as Note [pictures] says."""
         if not self.is_logger:
             return
-        self._file.write(json.dumps(record) + "\n")
         step = record["step"]
+        pictures = {k: v for k, v in record.items() if isinstance(v, Picture)}
+        self._file.write(json.dumps({k: v for k, v in record.items() if k not in pictures}) + "\n")
+        for picture in pictures.values():
+            self.pending[picture.tag] = (step, picture)
+        if time.monotonic() - self.pictures_at >= PICTURE_EVERY_S:
+            self._write_pictures()
         for key, value in record.items():
             if key == "step":
                 continue
@@ -141,8 +173,30 @@ class Metrics:
                 for i, v in enumerate(value):
                     self.writer.add_scalar(f"{_tb_name(key)}/{item}{i}", v, step)
 
+    def image(self, tag: str, png: bytes, step: int, file: str | None = None) -> None:
+        """A PNG picture to TensorBoard's images at `step`, and to `<run_dir>/<file>` when given."""
+        if not self.is_logger:
+            return
+        import numpy as np
+        from PIL import Image  # matplotlib's own dependency
+
+        pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+        self.writer.add_image(tag, pixels, step, dataformats="HWC")
+        if file is not None:
+            path = self.path.parent / file
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(png)
+            os.replace(tmp, path)  # a reader never sees half a picture
+
+    def _write_pictures(self) -> None:
+        for step, picture in self.pending.values():
+            self.image(picture.tag, picture.draw(step), step, picture.file)
+        self.pending = {}
+        self.pictures_at = time.monotonic()
+
     def close(self) -> None:
         if self.is_logger:
+            self._write_pictures()
             self.writer.close()
             self._file.close()
 

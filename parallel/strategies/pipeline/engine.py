@@ -30,6 +30,7 @@ from parallel.strategies.expert import clip_with_experts
 from parallel.strategies.pipeline import schedules
 from parallel.strategies.pipeline.split import Split, format_split, microbatches, plan_split
 from parallel.strategies.pipeline.stages import ComputeTime, TiedCopy, TimedStage, build_stages
+from parallel.strategies.pipeline.timeline import Timeline
 from parallel.tensors import local
 from parallel.torch_patches import forward_only_actions
 
@@ -104,6 +105,7 @@ class PipelineEngine(Engine):
         self.compute_time = compute_time
         self.step_time = 0.0
         self.window: list[tuple[float, float, dict]] = []  # (compute, schedule time, compute per stage) per step
+        self.timeline = Timeline(f"{s.schedule}, {self.m} microbatches")  # Note [pipeline timeline]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Run the schedule over the batch; returns this rank's part of the global loss (0 off the last
@@ -116,8 +118,10 @@ class PipelineEngine(Engine):
         self.compute_time.reset()
         t0 = time.perf_counter()
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses, return_outputs=False)
-        self.step_time = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.step_time = t1 - t0
         self.window.append((self.compute_time.total, self.step_time, dict(self.compute_time.per_stage)))
+        self.timeline.record(t0, t1, self.compute_time.chunks)
         self._sum_tied_grads()
         if not losses:
             return torch.zeros((), device=x.device)
@@ -214,7 +218,7 @@ class PipelineEngine(Engine):
         return state
 
     def metrics(self) -> dict:
-        """Bubble (measured and analytic), stage imbalance; collective over all ranks."""
+        """Bubble (measured and analytic), stage imbalance, the timeline picture; collective over all ranks."""
         s = self.cfg.strategy
         # The median step since the last log: the trainer's memory watch slows
         # the steps it watches (a dispatch per op), and the median ignores them.
@@ -233,4 +237,5 @@ class PipelineEngine(Engine):
                 "bubble_analytic": schedules.analytic_bubble(s.schedule, s.pp, s.stages_per_rank, self.m),
                 "stage_imbalance": max(totals) / mean if mean > 0 else 1.0,
                 "schedule_time_s": self.step_time,
-                "stage_time_s_per_stage": totals}
+                "stage_time_s_per_stage": totals,
+                "pipeline_timeline": self.timeline.gather()}

@@ -22,6 +22,7 @@ from parallel.blocks import repeated_blocks
 from parallel.config import Config, ConfigError
 from parallel.dims import batch_mesh
 from parallel.init import InitPlan, materialize_and_init
+from parallel.profiling import phase
 from parallel.runtime import Runtime
 from parallel.strategies.compile import compile_blocks, compiling
 from parallel.strategies.pipeline import schedules
@@ -42,17 +43,20 @@ class TiedCopy:
 
 @dataclass
 class ComputeTime:
-    """Seconds this rank's stages spent computing since the last reset: the engine's busy counters."""
+    """Seconds this rank's stages spent computing since the last reset: the engine's busy counters, and each
+    chunk's interval for the timeline (Note [pipeline timeline] in timeline.py)."""
 
     total: float = 0.0
     per_stage: dict[int, float] = field(default_factory=dict)  # stage index -> seconds
+    chunks: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # (kind, stage, mb, start, end)
 
     def reset(self) -> None:
-        self.total, self.per_stage = 0.0, dict.fromkeys(self.per_stage, 0.0)
+        self.total, self.per_stage, self.chunks = 0.0, dict.fromkeys(self.per_stage, 0.0), []
 
-    def add(self, stage_index: int, seconds: float) -> None:
-        self.total += seconds
-        self.per_stage[stage_index] += seconds
+    def add(self, kind: str, stage_index: int, microbatch: int, start: float, end: float) -> None:
+        self.total += end - start
+        self.per_stage[stage_index] += end - start
+        self.chunks.append((kind, stage_index, microbatch, start, end))
 
 
 class TimedStage(PipelineStage):
@@ -69,24 +73,28 @@ class TimedStage(PipelineStage):
         compute_time.per_stage.setdefault(self.stage_index, 0.0)
 
     @contextlib.contextmanager
-    def _timed(self):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.compute_time.add(self.stage_index, time.perf_counter() - t0)
+    def _timed(self, kind: str, microbatch: int):
+        """Time one chunk, named in a profile as e.g. "stage1 backward mb3" (Note [profiles])."""
+        with phase(f"stage{self.stage_index} {kind} mb{microbatch}"):
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.compute_time.add(kind, self.stage_index, microbatch, t0, time.perf_counter())
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
                           save_forward_output: bool = True):
-        with self._timed():
+        with self._timed("forward", fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
-        with self._timed():
+        # Zero-bubble schedules split backward: full_backward=False computes the input's gradient only, and
+        # backward_weight_one_chunk the weights' later.
+        with self._timed("backward", bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        with self._timed():
+        with self._timed("backward_weight", bwd_chunk_id):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
 

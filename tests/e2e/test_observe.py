@@ -1,0 +1,76 @@
+"""What a run leaves to look at: profiles (trainer.profile), the pipeline timeline, memory snapshots
+(trainer.memory_snapshot), from one profiled 2-rank pipeline run shared by the tests here."""
+import json
+
+import numpy as np
+import pytest
+from matplotlib.colors import to_rgb
+
+from parallel.pictures import timeline
+from tests import cli
+
+STEPS, LOG_EVERY, PROFILE = 6, 3, (2, 3)
+MICROBATCHES = 4  # the default for pp 2: 2 x pp x stages per rank
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    """The run directory of a 2-rank pipeline run (1F1B, 4 microbatches) of 6 steps, logged every 3rd, steps 2..3
+    profiled, memory snapshots asked for on the CPU (a warning, nothing recorded)."""
+    run_dir = tmp_path_factory.mktemp("pipeline_run")
+    cli.run(["nproc=2", "strategy=pipeline", "model.args.depth=2", f"trainer.steps={STEPS}",
+             f"trainer.log_every={LOG_EVERY}", "trainer.progress=false", "trainer.timeout_s=60",
+             "trainer.device=cpu", f"trainer.profile=[{PROFILE[0]},{PROFILE[1]}]", "trainer.memory_snapshot=true",
+             f"run_dir={run_dir}"], cwd=run_dir, timeout=240)
+    return run_dir
+
+
+@pytest.mark.timeout(300)
+def test_a_chrome_trace_per_rank_names_the_stages_chunks_and_the_optimizer_step(pipeline_run):
+    for rank in (0, 1):
+        trace = json.loads((pipeline_run / "profile" / f"rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {f"ProfilerStep#{s}" for s in range(1, STEPS + 1)} & names == {"ProfilerStep#2", "ProfilerStep#3"}
+        chunks = {f"stage{rank} {kind} mb{mb}" for kind in ("forward", "backward") for mb in range(MICROBATCHES)}
+        assert chunks <= names
+        assert {"data", "forward_backward", "clip", "optimizer_step", "Optimizer.step#AdamW.step"} <= names
+        assert {"gloo:send", "gloo:recv", "gloo:all_reduce"} <= names  # the pipeline's transfers, the norm's sum
+        steps = [e for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")]
+        assert all(e["ph"] == "X" and e["dur"] > 0 for e in steps)  # complete events, as Perfetto reads them
+
+
+def _bands(png: bytes) -> int:
+    """Horizontal bands of the picture covered by the timeline's colours: its rows."""
+    import io
+
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    covered = np.zeros(pixels.shape[:2], bool)
+    for colour, _ in [*timeline.KINDS.values(), timeline.WAIT]:
+        covered |= np.abs(pixels - np.array(to_rgb(colour)) * 255).max(axis=2) < 8
+    rows = covered.mean(axis=1) > 0.25  # a legend's patches cover far less of a line
+    return int(rows[0]) + int(np.count_nonzero(rows[1:] & ~rows[:-1]))
+
+
+@pytest.mark.timeout(300)
+def test_the_timeline_has_a_row_per_rank_in_the_run_directory_and_in_tensorboard(pipeline_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    png = (pipeline_run / "pipeline_timeline.png").read_bytes()
+    assert png[:4] == b"\x89PNG"
+    assert _bands(png) == 2
+    acc = EventAccumulator(str(pipeline_run / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    images = acc.Images("pipeline/timeline")
+    assert [i.step for i in images] == [STEPS]  # the last logged step's (Note [pictures])
+    assert _bands(images[0].encoded_image_string) == 2
+    assert "pipeline_timeline" not in cli.metrics(pipeline_run)[-1]
+
+
+@pytest.mark.timeout(300)
+def test_memory_snapshot_on_the_cpu_warns_in_the_log_and_records_nothing(pipeline_run):
+    for rank in (0, 1):
+        log = (pipeline_run / "logs" / f"rank{rank}.log").read_text()
+        assert log.count("trainer.memory_snapshot=true") == 1 and "nothing is recorded" in log
+    assert not (pipeline_run / "memory_snapshot").exists()
