@@ -85,10 +85,11 @@ class StepProfiler:
     def __init__(self, first: int, last: int, path: Path, device: torch.device):
         self.first, self.last, self.path, self.device = first, last, path, device
         self.prof: torch.profiler.profile | None = None
+        self.done = False  # the trace is written
 
     @contextlib.contextmanager
     def step(self, step: int):
-        if step == self.first:
+        if self.prof is None and not self.done and self.first <= step <= self.last:  # a resumed run may start inside
             self._start()
         if self.prof is None:
             yield
@@ -116,7 +117,7 @@ class StepProfiler:
         if self.prof is None:
             return
         _profiling = False
-        prof, self.prof = self.prof, None
+        prof, self.prof, self.done = self.prof, None, True
         prof.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))

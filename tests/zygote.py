@@ -23,6 +23,8 @@ import traceback
 # What a run imports (launch/train.py, and lazily the trainer, checkpoints, every strategy, TensorBoard).
 # No thread may be running at a fork (a lock it held would stay locked in the child): checked below.
 import hydra  # noqa: F401
+import matplotlib.backends.backend_agg  # noqa: F401  (imported when a picture is drawn: parallel/pictures/)
+import matplotlib.figure  # noqa: F401
 import torch  # noqa: F401
 import torch.distributed.pipelining  # noqa: F401
 import torch.utils.tensorboard  # noqa: F401

@@ -25,6 +25,7 @@ KINDS = {
 WAIT = ("#d9d9d9", "waiting (send/recv, loss)")
 IDLE = ("#ffffff", "idle (outside the schedule)")
 WIDTH_IN, ROW_IN, DPI = 12.0, 0.55, 100
+MARGINS_IN = (0.8, 0.2, 0.4, 0.85)  # left, right, top (the title), bottom (the axis' label and the legend)
 CHAR_PX = 6.5  # about the width of one character of the labels' font, in pixels
 
 
@@ -45,14 +46,18 @@ def draw(rows: list[list[tuple[str, int, int, float, float]]], spans: list[tuple
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    fig = Figure(figsize=(WIDTH_IN, 1.4 + ROW_IN * len(rows)), dpi=DPI, layout="constrained")
+    height = MARGINS_IN[2] + MARGINS_IN[3] + ROW_IN * len(rows)
+    fig = Figure(figsize=(WIDTH_IN, height), dpi=DPI)
     FigureCanvasAgg(fig)
+    # Fixed margins: a layout engine would draw the figure once more to measure it.
+    left, right, top, bottom = MARGINS_IN
+    fig.subplots_adjust(left=left / WIDTH_IN, right=1 - right / WIDTH_IN, top=1 - top / height, bottom=bottom / height)
     ax = fig.add_subplot()
     n = len(rows)
     ax.barh(range(n), [e - s for s, e in spans], left=[s for s, _ in spans], height=0.8, color=WAIT[0],
             hatch="//", edgecolor="#bbbbbb", linewidth=0)
     end = max([e for _, e in spans] + [c[4] for row in rows for c in row] + [1e-9])
-    px_per_s = WIDTH_IN * DPI * 0.9 / end  # the axes span about 90% of the figure's width
+    px_per_s = (WIDTH_IN - left - right) * DPI / end
     for kind, (colour, _) in KINDS.items():
         bars = [(r, c) for r, row in enumerate(rows) for c in row if c[0] == kind]
         if not bars:
@@ -72,7 +77,7 @@ def draw(rows: list[list[tuple[str, int, int, float, float]]], spans: list[tuple
     legend = [Patch(facecolor=c, label=name) for c, name in KINDS.values()]
     legend += [Patch(facecolor=WAIT[0], hatch="//", edgecolor="#bbbbbb", label=WAIT[1]),
                Patch(facecolor=IDLE[0], edgecolor="#999999", label=IDLE[1])]
-    fig.legend(handles=legend, loc="outside lower center", ncol=len(legend), fontsize=8, frameon=False)
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     return fig
 
 
@@ -87,5 +92,5 @@ def _label(stage: int, microbatch: int, width_px: float) -> str:
 def png(fig: "Figure") -> bytes:
     """The figure as PNG bytes."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
+    fig.savefig(buf, format="png", dpi=DPI, pil_kwargs={"compress_level": 1})  # flat colours: small anyway
     return buf.getvalue()

@@ -45,6 +45,16 @@ def test_a_step_that_fails_inside_the_range_leaves_the_trace_of_what_ran(tmp_pat
     p.close()  # nothing left to stop
 
 
+def test_a_run_resumed_inside_the_range_profiles_the_rest_of_it(tmp_path):
+    p = Profiling(TrainerConfig(steps=6, profile=[2, 4]), tmp_path, torch.device("cpu"))
+    for step in (4, 5):  # resumed after step 3
+        with p.step(step):
+            pass
+    p.close()
+    names = _names(tmp_path / "profile" / "rank0.json")
+    assert "ProfilerStep#4" in names and "ProfilerStep#5" not in names
+
+
 def test_memory_snapshot_on_the_cpu_warns_and_records_nothing(tmp_path):
     log = logging.getLogger("parallel")
     records = []
