@@ -5,9 +5,12 @@ memory snapshots.
 `trainer.profile=[START,END]` runs torch.profiler on every rank from the start
 of step START to the end of step END and writes its Chrome trace to
 `<run_dir>/profile/rank<N>.json` (Perfetto and TensorBoard's profile plugin
-read it). Outside that range no profiler runs. Each profiled step is marked
-`ProfilerStep#<step>`, the name torch.profiler's own step markers have (tools
-that split a trace into steps look for it), with the trainer's step number.
+read it). Outside that range no profiler runs; a run resumed inside it profiles
+the rest. Each profiled step is marked `ProfilerStep#<step>`, the name
+torch.profiler's own step markers have (tools that split a trace into steps
+look for it), with the trainer's step number. Profiled steps run slower (the
+profiler's own cost; writing the trace at the end of END): their step_time_s
+shows it, and the pipeline timeline draws another step when it can.
 
 The framework names its own phases with `phase(name)`: the trainer's (data,
 forward_backward, clip, optimizer_step, checkpoint_save), each pipeline stage's
@@ -21,10 +24,12 @@ collectives (`gloo:all_reduce`, `nccl:...`, FSDP's `FSDP::...`), the pipeline's
 sends and receives, and every op.
 
 `trainer.memory_snapshot=true` records the CUDA caching allocator's history
-from the start of training (`torch.cuda.memory._record_memory_history`) and
-dumps it to `<run_dir>/memory_snapshot/rank<N>.pickle` when a step runs out of
-memory and at the end; https://pytorch.org/memory_viz reads it. The CPU keeps
-no such history: a warning, and nothing is recorded.
+from the start of the training loop (`torch.cuda.memory._record_memory_history`)
+and dumps it to `<run_dir>/memory_snapshot/rank<N>.pickle` when a step runs out
+of memory and at the end; https://pytorch.org/memory_viz reads it. What was
+allocated before the loop (the weights) is in the snapshot's segments, without
+the stack that allocated it. The CPU keeps no such history: a warning, and
+nothing is recorded.
 """
 from __future__ import annotations
 
@@ -118,6 +123,8 @@ class StepProfiler:
             return
         _profiling = False
         prof, self.prof, self.done = self.prof, None, True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the last step's kernels, finished before the trace is taken
         prof.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))

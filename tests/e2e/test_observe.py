@@ -1,9 +1,11 @@
 """What a run leaves to look at: profiles (trainer.profile), the pipeline timeline, memory snapshots
 (trainer.memory_snapshot), from one profiled 2-rank pipeline run shared by the tests here."""
 import json
+import pickle
 
 import numpy as np
 import pytest
+import torch
 from matplotlib.colors import to_rgb
 
 from parallel.pictures import timeline
@@ -74,3 +76,15 @@ def test_memory_snapshot_on_the_cpu_warns_in_the_log_and_records_nothing(pipelin
         log = (pipeline_run / "logs" / f"rank{rank}.log").read_text()
         assert log.count("trainer.memory_snapshot=true") == 1 and "nothing is recorded" in log
     assert not (pipeline_run / "memory_snapshot").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_trace_holds_kernels_and_the_memory_snapshot_is_written(tmp_path):
+    cli.run(cli.FAST + ["trainer.device=cuda", "trainer.profile=[2,3]", "trainer.memory_snapshot=true",
+                        f"run_dir={tmp_path}"], cwd=tmp_path)
+    trace = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+    snapshot = pickle.loads((tmp_path / "memory_snapshot" / "rank0.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"][0]
