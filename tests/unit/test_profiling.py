@@ -55,6 +55,25 @@ def test_a_run_resumed_inside_the_range_profiles_the_rest_of_it(tmp_path):
     assert "ProfilerStep#4" in names and "ProfilerStep#5" not in names
 
 
+def test_offload_transfers_on_their_io_threads_are_named(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from parallel.offload.tiers import Counters, DiskTier
+
+    io = ThreadPoolExecutor(1)
+    tier = DiskTier(tmp_path / "offload" / "params", Counters(), io)
+    p = Profiling(TrainerConfig(steps=1, profile=[1, 1]), tmp_path, torch.device("cpu"))
+    with p.step(1):
+        tier.write("w0", torch.arange(16, dtype=torch.uint8)).result()
+        tier.read("w0", torch.empty(16, dtype=torch.uint8)).result()
+    io.shutdown()
+    events = json.loads((tmp_path / "profile" / "rank0.json").read_text())["traceEvents"]
+    threads = {e["name"]: e["tid"] for e in events if e.get("name", "").startswith("offload params")}
+    assert set(threads) == {"offload params write w0", "offload params read w0"}
+    main = {e["tid"] for e in events if e.get("name") == "ProfilerStep#1"}
+    assert not set(threads.values()) & main  # recorded on the I/O thread
+
+
 def test_memory_snapshot_on_the_cpu_warns_and_records_nothing(tmp_path):
     log = logging.getLogger("parallel")
     records = []
