@@ -265,6 +265,9 @@ class TrainerConfig:
     eval_batches: int = 4
     # Compile each repeated block with torch.compile (Note [regional compilation] in parallel/strategies/compile.py).
     compile: bool = False
+    # One device's peak FLOP/s, the denominator of the logged MFU; None: the table of known GPUs, or the
+    # CPU's matrix-product rate measured at start (Note [peak FLOP/s] in parallel/hardware.py).
+    peak_flops: Optional[float] = None
 
 
 @dataclass
@@ -362,6 +365,8 @@ def check_trainer(t: TrainerConfig) -> None:
         fail("trainer.clip_grad_norm", t.clip_grad_norm, "must be >= 0 (0 disables clipping)")
     if t.timeout_s <= 0:
         fail("trainer.timeout_s", t.timeout_s, "must be > 0 seconds")
+    if t.peak_flops is not None and not 0 < t.peak_flops < float("inf"):
+        fail("trainer.peak_flops", t.peak_flops, "must be a device's peak FLOP/s > 0", ["e.g. 989e12", "null"])
     if t.device not in DEVICES:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:

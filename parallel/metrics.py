@@ -160,6 +160,8 @@ def _tb_name(key: str) -> str:
         return f"offload/{key.removeprefix('offload_')}"
     if key.endswith("time_s"):
         return f"time/{key}"
+    if key in ("tokens_per_s", "flops_per_step", "tflops_per_rank", "mfu"):  # parallel.throughput
+        return f"throughput/{key}"
     return f"train/{key}"
 
 
