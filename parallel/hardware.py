@@ -11,8 +11,9 @@ against the TF32 column when PyTorch lets fp32 matrix products use TF32
 the table, or a precision it has no figure for, has no peak: the run warns
 and logs no MFU rather than a wrong one; `trainer.peak_flops` gives it (and
 overrides the table). On the CPU, which has no published figure, the peak is
-the rate of the fastest of a few float32 matrix products measured in the
-worker at start, at its own thread count (the CPU trains in fp32).
+measured in the worker at start (`cpu_peak`): the rate of the fastest of a
+few float32 matrix products on one thread (the CPU trains in fp32), times
+the worker's thread count.
 """
 from __future__ import annotations
 
@@ -62,22 +63,37 @@ def cuda_precision(bf16: bool) -> str:
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def matmul_rate(seconds: float = 0.3, fastest: bool = False, size: int = 512) -> float:
-    """FLOP/s of float32 matrix products on this process's CPU threads.
-
-    Args:
-        seconds: how long to keep multiplying (at least three products are timed).
-        fastest: the rate of the fastest single product (a peak, little moved by other processes taking
-            the cores for a moment) instead of the mean over the whole time (a sustained rate).
-        size: the side of the square matrices.
-    """
+def matmul_rate(seconds: float = 0.3, size: int = 512) -> float:
+    """FLOP/s of float32 matrix products on this process's CPU threads: the mean over `seconds` of wall
+    time (a sustained rate, what the process gets while others share the cores)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    out = a @ b  # the first product allocates and warms the library's threads
-    n, best, t0 = 0, float("inf"), time.perf_counter()
+    out = a @ b  # the first product allocates and wakes the library's threads
+    n, t0 = 0, time.perf_counter()
     while n < 3 or time.perf_counter() - t0 < seconds:
-        t = time.perf_counter()
         torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - t)
         n += 1
-    per_product = best if fastest else (time.perf_counter() - t0) / n
-    return 2 * size ** 3 / per_product
+    return 2 * size ** 3 * n / (time.perf_counter() - t0)
+
+
+def cpu_peak(seconds: float = 0.02, size: int = 512) -> float:
+    """The CPU's peak float32 matrix-product FLOP/s for this process: one thread's fastest product, timed by
+    that thread's CPU time, times the process's thread count (Note [peak FLOP/s]).
+
+    Timed on one thread by its CPU time, a product is not slowed by other processes taking the core for
+    a moment (on a machine shared by a run's workers, the wall time of any product may be); the thread
+    count scales it to what the process's threads could do at most.
+    """
+    threads = torch.get_num_threads()
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.set_num_threads(1)  # the product runs on this thread alone, so this thread's CPU time is its time
+    try:
+        out = a @ b
+        n, best, t0 = 0, float("inf"), time.perf_counter()
+        while n < 3 or time.perf_counter() - t0 < seconds:
+            t = time.thread_time()
+            torch.mm(a, b, out=out)
+            best = min(best, time.thread_time() - t)
+            n += 1
+    finally:
+        torch.set_num_threads(threads)
+    return threads * 2 * size ** 3 / best

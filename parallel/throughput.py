@@ -34,14 +34,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from parallel.config import Config
 from parallel.data import example_input
-from parallel.hardware import cuda_precision, gpu_peak, matmul_rate
+from parallel.hardware import cpu_peak, cuda_precision, gpu_peak
 from parallel.loss import logits_of
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
 from parallel.tensors import faking
 
-# How long the CPU's peak is measured for (the fastest of the products run in that time).
-CPU_BENCHMARK_S = 0.05
+# How long the CPU's peak is measured for (the fastest of the products run in that time: parallel.hardware.cpu_peak).
+CPU_BENCHMARK_S = 0.02
 
 
 class Throughput:
@@ -140,8 +140,8 @@ def device_peak(cfg: Config, device: torch.device) -> tuple[float | None, str]:
         return float(cfg.trainer.peak_flops), "trainer.peak_flops"
     if device.type == "cuda":
         return _cuda_peak(cfg, device)
-    rate = matmul_rate(CPU_BENCHMARK_S, fastest=True)
-    return rate, f"the fastest fp32 matrix product measured here, {torch.get_num_threads()} thread(s)"
+    threads = torch.get_num_threads()
+    return cpu_peak(CPU_BENCHMARK_S), f"measured: {threads} x one thread's fastest fp32 matrix product"
 
 
 def _cuda_peak(cfg: Config, device: torch.device) -> tuple[float | None, str]:
