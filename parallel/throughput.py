@@ -65,9 +65,9 @@ class Throughput:
         tokens = example_input(cfg.data, cfg.trainer.batch_size)[0].numel() if cfg.data.task == "lm" else None
         flops = model_flops(cfg)
         peak, source = device_peak(cfg, device)
-        if flops is not None:
-            log.info("throughput: %.4g model FLOPs per step (forward + backward of the global batch); device peak "
-                     "%s", flops, f"{peak / 1e12:.4g} TFLOP/s ({source})" if peak else f"unknown ({source})")
+        log.info("throughput: %s; device peak %s", "model FLOPs not counted" if flops is None else
+                 f"{flops:.4g} model FLOPs per step (forward + backward of the global batch)",
+                 f"{peak / 1e12:.4g} TFLOP/s ({source})" if peak else f"unknown ({source})")
         return cls(tokens, flops, world, peak)
 
     def record(self, step_time: float) -> dict:
@@ -140,8 +140,8 @@ def device_peak(cfg: Config, device: torch.device) -> tuple[float | None, str]:
         return float(cfg.trainer.peak_flops), "trainer.peak_flops"
     if device.type == "cuda":
         return _cuda_peak(cfg, device)
-    threads = torch.get_num_threads()
-    return cpu_peak(CPU_BENCHMARK_S), f"measured: {threads} x one thread's fastest fp32 matrix product"
+    threads, peak = torch.get_num_threads(), cpu_peak(CPU_BENCHMARK_S)
+    return peak, f"measured: fp32 matrix products, {peak / threads / 1e9:.1f} GFLOP/s per thread x {threads}"
 
 
 def _cuda_peak(cfg: Config, device: torch.device) -> tuple[float | None, str]:

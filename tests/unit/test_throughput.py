@@ -146,3 +146,15 @@ def test_record_text_and_postfix():
     assert postfix(record) == {"tokens_s": "1024", "mfu": "100%"}
     assert "mfu" not in Throughput(None, 4e12, 4, None).record(0.5)  # an unknown peak: no MFU
     assert Throughput().record(0.5) == {}  # off the logging rank
+
+
+def test_counting_and_measuring_leave_the_runs_random_numbers_alone():
+    """Throughput.start runs after the run's generators are seeded: dropout and data must not see it."""
+    cfg = Config()
+    cfg.model.name, cfg.model._target_, cfg.data.task = "custom", "tests.hf_models.gpt2", "lm"
+    cfg.model.args, cfg.data.seq_len, cfg.data.vocab_size = {"dropout": 0.1}, 16, 64
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    speed = Throughput.start(cfg, torch.device("cpu"), is_logger=True)
+    assert speed.flops_per_step > 0 and speed.peak > 0 and speed.tokens_per_step == 32 * 16
+    assert torch.equal(torch.get_rng_state(), state)
