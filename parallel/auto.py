@@ -58,11 +58,12 @@ from pathlib import Path
 import torch
 
 from parallel.config import Config, ConfigError, StrategyConfig, pipelined
+from parallel.flops import Flops
 from parallel.hardware import matmul_rate
 from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
-from parallel.planner import Flops, plan
+from parallel.planner import plan
 from parallel.strategies.expert import moe_layers
 from parallel.strategies.pipeline.schedules import analytic_bubble
 from parallel.validate import validate

@@ -6,13 +6,13 @@ Counted once, before the first step, on the rank that logs:
     flops_per_step   model FLOPs of one training step over the global batch:
                      the forward and backward of the whole, unpartitioned model
                      (gradients only of the parameters that train), by torch's
-                     per-op formulas (torch.utils.flop_counter.FlopCounterMode,
-                     the formulas the planner counts with) on meta tensors, so
-                     no memory and no data are used. Model FLOPs, as MFU is
-                     defined (PaLM, appendix B): blocks recomputed in backward
-                     (strategy.activations=checkpoint), the loss, the optimizer
-                     step and communication are not counted, and the count is the
-                     same whatever the strategy.
+                     per-op formulas (torch.utils.flop_counter, summed by
+                     parallel.flops.Flops as the planner and strategy=auto sum
+                     them) on meta tensors: no memory, no data. Model FLOPs, as
+                     MFU is defined (PaLM, appendix B): blocks recomputed in
+                     backward (strategy.activations=checkpoint), the loss, the
+                     optimizer step and communication are not counted, and the
+                     count is the same whatever the strategy.
     peak             one device's FLOP/s at most (Note [peak FLOP/s] in
                      parallel/hardware.py): trainer.peak_flops, the table of known
                      GPUs, or on the CPU the matrix-product rate measured here.
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
 
 from parallel.config import Config
 from parallel.data import example_input
+from parallel.flops import Flops
 from parallel.hardware import cpu_peak, cuda_precision, gpu_peak
 from parallel.loss import logits_of
 from parallel.metrics import log
@@ -125,13 +125,13 @@ def model_flops(cfg: Config) -> int | None:
 
 
 def _counted(model: torch.nn.Module, x: torch.Tensor) -> int:
-    counter = FlopCounterMode(display=False)
+    counter = Flops()
     with counter:
         out = logits_of(model(x))
         trained = [p for p in model.parameters() if p.requires_grad]
         # The input gradient of the first layer is not needed (token ids have none), as in training.
         torch.autograd.grad(out.float().sum(), trained, allow_unused=True)
-    return counter.get_total_flops()
+    return counter.total
 
 
 def device_peak(cfg: Config, device: torch.device) -> tuple[float | None, str]:
