@@ -4,9 +4,9 @@
 
 Builds the configured model and strategy under fake tensors and a fake process
 group, runs one training step symbolically for each rank role (Note [planner]
-in parallel/planner.py), prints a table and writes plan.json into the run
-dir. No GPU, no workers and no real memory are used. world_size defaults to
-nproc (or 1).
+in parallel/planner.py), prints a table and writes plan.json and its picture,
+memory.png, into the run dir. No GPU, no workers and no real memory are used.
+world_size defaults to nproc (or 1).
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from parallel.config import ConfigError  # noqa: E402
 from parallel.entry import reported  # noqa: E402
+from parallel.memory.budget import budget_bytes  # noqa: E402
+from parallel.pictures.memory import write_memory  # noqa: E402
 from parallel.planner import KINDS, plan  # noqa: E402
 from parallel.units import human_bytes  # noqa: E402
 from parallel.validate import to_config, validate  # noqa: E402
@@ -93,10 +95,22 @@ def main(dcfg: DictConfig) -> None:
         {k: v for k, v in vars(p).items() if k != "by_module"} for p in plans]}
     if options["plan.by_module"]:
         record["by_module"] = plans[0].by_module
+    for path in _write(run_dir, record, budget_bytes(cfg.memory)):
+        print(f"written: {path}")
+
+
+def _write(run_dir: str, record: dict, budget: int | None) -> list[str]:
+    """plan.json and its picture, memory.png (parallel.pictures.memory), into `run_dir`; their paths."""
+    os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "plan.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
-    print(f"written: {path}")
+    ranks = record["ranks"]
+    labels = [f"rank {p['rank']}" if p["same_as"] == [p["rank"]] else f"ranks {_ranks(p['same_as'])}" for p in ranks]
+    picture = write_memory(os.path.join(run_dir, "memory.png"), labels, {k: [p[k] for p in ranks] for k in KINDS},
+                           budget, f"plan: strategy={record['strategy']} world_size={record['world_size']}\n"
+                           "live tensors at each rank's peak")
+    return [path, str(picture)]
 
 
 OPTIONS_GIVEN: dict = {}

@@ -18,7 +18,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from parallel.auto import choose, device_budget, table  # noqa: E402
+from parallel.auto import chart, choose, device_budget, table  # noqa: E402
 from parallel.config import ConfigError, to_dict  # noqa: E402
 from parallel.entry import reported  # noqa: E402
 from parallel.launcher import check_world_size, in_submitit_job, join_submitit_job, launch, under_torchrun, worker  # noqa: E402
@@ -56,12 +56,14 @@ def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
                           f"them; run `python launch/train.py strategy=auto nproc={world} ...` (or "
                           f"launch/plan.py) once and start {started_by} with the strategy it picks")
     chosen, found = choose(cfg, world, Path(run_dir))
-    print(table(found, f"budget {device_budget(cfg, world) / 1e6:.2f} MB per rank"))
+    budget = device_budget(cfg, world)
+    print(table(found, f"budget {budget / 1e6:.2f} MB per rank"))
     picked = next(c for c in found if c.dropped is None)
     print(f"auto: running {picked.name} ({' '.join(picked.overrides)})")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     Path(run_dir, "auto.json").write_text(json.dumps(
         {"chosen": picked.overrides, "candidates": [vars(c) for c in found]}, indent=2))
+    chart(found, budget, Path(run_dir, "auto.png"))
     return to_dict(chosen)
 
 

@@ -58,9 +58,12 @@ from pathlib import Path
 import torch
 
 from parallel.config import Config, ConfigError, StrategyConfig, pipelined
+from parallel.flops import Flops
+from parallel.hardware import matmul_rate
 from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
-from parallel.planner import Flops, plan
+from parallel.pictures.candidates import write_candidates
+from parallel.planner import plan
 from parallel.strategies.expert import moe_layers
 from parallel.strategies.pipeline.schedules import analytic_bubble
 from parallel.validate import validate
@@ -143,17 +146,6 @@ def device_budget(cfg: Config, world: int) -> int:
     if cfg.trainer.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
-
-
-def matmul_rate(seconds: float = 0.3) -> float:
-    """FLOP/s of float32 matrix products on this process's CPU threads."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
 
 
 def loopback_bandwidth(nbytes: int = 32 << 20) -> float:
@@ -304,3 +296,13 @@ def table(found: list[Candidate], budget_note: str = "") -> str:
         else:
             lines.append(f"{mark}{c.name:<34}{'-':>9}{'':>56}  {c.dropped}")
     return "\n".join(lines)
+
+
+def chart(found: list[Candidate], budget: int, path: Path) -> Path:
+    """The ranked candidates (as `choose` returns them) drawn as auto.png at `path`
+    (parallel.pictures.candidates): the planned ones, the chosen one marked."""
+    planned = [c for c in found if c.times]
+    fits = [c.dropped is None for c in planned]
+    return write_candidates(path, [c.name for c in planned], [c.times for c in planned],
+                            [c.peak for c in planned], fits, fits.index(True) if any(fits) else None, budget,
+                            skipped=len(found) - len(planned))

@@ -270,6 +270,9 @@ class TrainerConfig:
     profile: Optional[List[int]] = None
     # CUDA: record the allocator's history; a snapshot in <run_dir>/memory_snapshot/ on OOM and at the end.
     memory_snapshot: bool = False
+    # One device's peak FLOP/s, the denominator of the logged MFU; None: the table of known GPUs, or the
+    # CPU's matrix-product rate measured at start (Note [peak FLOP/s] in parallel/hardware.py).
+    peak_flops: Optional[float] = None
 
 
 @dataclass
@@ -367,6 +370,8 @@ def check_trainer(t: TrainerConfig) -> None:
         fail("trainer.clip_grad_norm", t.clip_grad_norm, "must be >= 0 (0 disables clipping)")
     if t.timeout_s <= 0:
         fail("trainer.timeout_s", t.timeout_s, "must be > 0 seconds")
+    if t.peak_flops is not None and not 0 < t.peak_flops < float("inf"):
+        fail("trainer.peak_flops", t.peak_flops, "must be a device's peak FLOP/s > 0", ["e.g. 989e12", "null"])
     if t.device not in DEVICES:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:

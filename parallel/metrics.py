@@ -203,6 +203,8 @@ class Metrics:
 
 def _tb_name(key: str) -> str:
     """TensorBoard tag of a metrics.jsonl key: grouped, per-rank lists as <key>/rank<N>."""
+    if key in ("tokens_per_s", "flops_per_step", "tflops_per_rank", "mfu"):  # parallel.throughput: scalars
+        return f"throughput/{key}"
     key = key.removesuffix("_per_rank")
     if key.startswith("eval_"):
         return f"eval/{key.removeprefix('eval_')}"

@@ -80,11 +80,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from parallel.config import Config, cuda_run
 from parallel.data import planned_data
 from parallel.dims import ParallelDims, batch_mesh
+from parallel.flops import Flops
 from parallel.init import Blank
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
@@ -326,26 +326,6 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
                     flops=flops_per_step, ops=ops_per_step,
                     comm_bytes=comm.bytes + 2 * buckets if dims.dp * dims.ep * dims.cp > 1 else comm.bytes, io_bytes=moved)
-
-
-class Flops(TorchDispatchMode):
-    """FLOPs of the ops run while active, by torch's own per-op formulas (torch.utils.flop_counter), and
-    how many ops ran. FlopCounterMode itself also attributes FLOPs to modules through autograd hooks on their outputs,
-    and those hooks keep tensors alive in checkpointed blocks: they would change the memory being
-    planned."""
-
-    def __init__(self):
-        super().__init__()
-        self.total = self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.ops += 1
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
-        return out
 
 
 class _CommBytes(TorchDispatchMode):

@@ -36,6 +36,7 @@ from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
 from parallel.strategies.compile import CompileClock, compiling
 from parallel.tensors import local_bytes
+from parallel.throughput import Throughput, postfix, text
 
 
 @dataclass
@@ -181,6 +182,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     checkpoints = checkpoint.Checkpointer(cfg, run_dir)
     memory = PeakMemory(run.device)
     profiling = Profiling(t, run_dir, run.device)  # trainer.profile, trainer.memory_snapshot
+    speed = Throughput.start(cfg, run.device, run.is_logger)  # Note [throughput] in parallel/throughput.py
     bar = tqdm(total=t.steps, initial=start, disable=not (run.is_logger and t.progress), desc="train",
                leave=False)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
@@ -204,9 +206,10 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
         bar.update(1)
         evals = log_eval(run, step) if evaluation.due(cfg, step) else {}
         if logging_step:
-            record = log_step(run, metrics, memory, window, step, loss, norm, evals)
+            record = log_step(run, metrics, memory, window, step, loss, norm, evals, speed)
             losses.append(record["loss"])
-            bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
+                            **postfix(record))
         elif evals:
             metrics.log({"step": step, **evals})
         if checkpoints.due(step):
@@ -227,7 +230,7 @@ def log_eval(run: Run, step: int) -> dict:
 
 
 def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", step: int, loss: torch.Tensor,
-             norm: torch.Tensor, evals: dict | None = None) -> dict:
+             norm: torch.Tensor, evals: dict | None = None, speed: Throughput | None = None) -> dict:
     """Write the record of a logged step (collective: every rank calls it), with the evaluation's figures
     after that step if any, and return it."""
     t = run.cfg.trainer
@@ -240,6 +243,7 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
         "data_time_s": data_time,
         "samples_per_s": t.batch_size / step_time,
     }
+    record.update(speed.record(step_time) if speed else {})
     record.update(run.engine.metrics())
     record.update(moe_record(run.engine.state_modules(), run.cfg.strategy.tp or 1))
     record.update(memory_record(memory))
@@ -249,8 +253,8 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
         record.update(run.compile_clock.record())
     metrics.log(record)
     if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
-        log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s", step, loss_value,
-                 record["grad_norm"], record["samples_per_s"])
+        log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s%s", step, loss_value,
+                 record["grad_norm"], record["samples_per_s"], text(record))
     return record
 
 

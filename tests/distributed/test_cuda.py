@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from parallel.hardware import gpu_peak
 from tests import cli
 from tests.hf_models import args
 
@@ -17,6 +18,11 @@ def test_data_zero3_on_cuda_trains_and_reports_allocator_peak(tmp_path):
     assert all(r["mem_peak_bytes"] > 0 for r in records)
     assert len(records[-1]["mem_peak_bytes_per_rank"]) == n
     assert records[-1]["loss"] < records[0]["loss"]
+    # MFU against the table's bf16 peak of this GPU (bf16 autocast by default); none for a GPU it does not know.
+    if gpu_peak(torch.cuda.get_device_name(0), "bf16") is None:
+        assert "mfu" not in records[-1]
+    else:
+        assert all(0 < r["mfu"] <= 1 for r in records)
 
 
 @pytest.mark.timeout(300)

@@ -25,3 +25,17 @@ def test_model_parallel_on_two_ranks_matches_single(reference, tmp_path, case):
     cli.assert_same_training(tp, ref)
     # One rank logs: the run has one metrics file whose memory covers both ranks.
     assert len(cli.metrics(tp)[-1]["mem_peak_bytes_per_rank"]) == 2
+    if case == "gpt":
+        check_throughput(tp, ref, tokens_per_step=32 * 16)
+
+
+def check_throughput(run_dir, ref_dir, tokens_per_step: int) -> None:
+    """Per logged step (Note [throughput]): tokens/s, TFLOP/s per rank and MFU from the same record's step time;
+    the model's FLOPs per step are the same whatever the strategy (here tp 2 and single)."""
+    for path, world in ((run_dir, 2), (ref_dir, 1)):
+        for r in cli.metrics(path):
+            assert r["tokens_per_s"] == pytest.approx(tokens_per_step / r["step_time_s"], rel=1e-12)
+            assert r["tflops_per_rank"] == pytest.approx(r["flops_per_step"] / world / r["step_time_s"] / 1e12,
+                                                         rel=1e-12)
+            assert 0 < r["mfu"] <= 1
+    assert cli.metrics(run_dir)[-1]["flops_per_step"] == cli.metrics(ref_dir)[-1]["flops_per_step"]

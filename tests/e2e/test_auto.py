@@ -1,6 +1,7 @@
 """strategy=auto: the candidates are planned, those over memory.budget dropped, the fastest run."""
 import json
 
+import matplotlib.image
 import pytest
 
 from tests import cli
@@ -37,6 +38,10 @@ def test_auto_on_two_workers_ranks_every_candidate(tmp_path):
     fits = [c for c in record["candidates"] if c["dropped"] is None]
     steps = [c["times"]["step"] for c in fits]
     assert steps == sorted(steps) and fits[0]["overrides"] == record["chosen"]  # the fastest runs
+    # auto.png beside auto.json: a row per planned candidate (tests/unit/test_plan_pictures.py checks the drawing).
+    planned = [c for c in record["candidates"] if c["times"]]
+    height, width, _ = matplotlib.image.imread(tmp_path / "auto.png").shape
+    assert width == 1100 and height == pytest.approx(100 * (1.2 + 0.32 * len(planned)), abs=1)
     assert cli.metrics(tmp_path)[-1]["loss"] > 0 and "auto: running" in proc.stdout
 
 

@@ -58,7 +58,8 @@ def test_tensorboard_holds_the_loss(reference):
     acc.Reload()
     scalars = acc.Tags()["scalars"]
     assert {"train/loss", "train/lr", "train/grad_norm", "time/step_time_s", "time/data_time_s",
-            "train/samples_per_s", "memory/mem_peak_bytes/rank0", "memory/rss_peak_bytes/rank0"} <= set(scalars)
+            "train/samples_per_s", "memory/mem_peak_bytes/rank0", "memory/rss_peak_bytes/rank0",
+            "throughput/flops_per_step", "throughput/tflops_per_rank", "throughput/mfu"} <= set(scalars)
     logged = [e.value for e in acc.Scalars("train/loss")]
     want = [r["loss"] for r in cli.metrics(run_dir)]
     assert logged == pytest.approx(want, rel=1e-6)

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import matplotlib.image
 import pytest
 
 from tests import cli
@@ -88,10 +89,16 @@ def test_plan_for_64_ranks_runs_here_in_under_a_minute(tmp_path):
     assert ranks[0]["params"] < whole
 
 
-def test_pipeline_plan_has_a_row_per_stage(tmp_path):
-    plan(["strategy=pipeline", "strategy.balance=params", "world_size=4", f"run_dir={tmp_path}"], cwd=tmp_path)
+def test_pipeline_plan_has_a_row_per_stage_and_a_picture(tmp_path):
+    out = plan(["strategy=pipeline", "strategy.balance=params", "world_size=4", "memory.budget=1MB",
+                f"run_dir={tmp_path}"], cwd=tmp_path)
     ranks = json.loads((tmp_path / "plan.json").read_text())["ranks"]
     assert [p["rank"] for p in ranks] == [0, 1, 2, 3] and all(p["params"] > 0 for p in ranks)
+    # Beside plan.json, memory.png: a bar per stage against the budget (drawn as tests/unit/test_plan_pictures.py
+    # checks), 6.5 inches (or wider for more roles) by 4.5 at 100 dpi.
+    assert f"written: {tmp_path / 'memory.png'}" in out.stdout
+    height, width, _ = matplotlib.image.imread(tmp_path / "memory.png").shape
+    assert (height, width) == (450, 650)
 
 
 def test_by_module_report_lists_the_locally_connected_layer(tmp_path):

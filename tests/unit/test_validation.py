@@ -27,6 +27,9 @@ BAD = [
     ({"trainer__device": "tpu"}, 1, "trainer.device"),
     ({"trainer__precision": "fp8"}, 1, "trainer.precision"),
     ({"trainer__timeout_s": 0.0}, 1, "trainer.timeout_s"),
+    ({"trainer__peak_flops": 0.0}, 1, "trainer.peak_flops"),
+    ({"trainer__peak_flops": -312e12}, 1, "trainer.peak_flops"),
+    ({"trainer__peak_flops": float("inf")}, 1, "trainer.peak_flops"),
     ({"trainer__precision": "bf16", "trainer__device": "cpu"}, 1, "trainer.precision"),
     ({"trainer__profile": [3, 2]}, 1, "trainer.profile"),  # reversed
     ({"trainer__profile": [0, 2]}, 1, "trainer.profile"),  # steps count from 1

@@ -1,0 +1,101 @@
+"""What a device can do at most: known GPUs' peak FLOP/s, and the CPU's matrix-product rate measured here.
+
+# Note [peak FLOP/s]
+MFU (parallel.throughput) divides the FLOP/s a rank achieves by its device's
+peak. For a GPU the peak comes from the table below: the vendor's dense
+(no 2:4 sparsity) tensor-core figure for the run's precision, found by the
+name `torch.cuda.get_device_name` gives. A run in bf16 (CUDA's default,
+`trainer.precision=auto`) is held against the bf16 column; an fp32 run
+against the TF32 column when PyTorch lets fp32 matrix products use TF32
+(`torch.set_float32_matmul_precision("high")`), else plain fp32. A GPU not in
+the table, or a precision it has no figure for, has no peak: the run warns
+and logs no MFU rather than a wrong one; `trainer.peak_flops` gives it (and
+overrides the table). On the CPU, which has no published figure, the peak is
+measured in the worker at start (`cpu_peak`): the rate of the fastest of a
+few float32 matrix products on one thread (the CPU trains in fp32), times
+the worker's thread count.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+# (pattern searched in the device name, bf16, tf32, fp32 peak FLOP/s), dense; the first match wins, so a
+# variant comes before the name it extends. Sources: the vendors' datasheets.
+GPU_PEAKS: list[tuple[str, float | None, float | None, float | None]] = [
+    (r"H100.*NVL", 835e12, 417.5e12, 60e12),
+    (r"H100.*PCIe", 756e12, 378e12, 51.2e12),
+    (r"H100", 989.4e12, 494.7e12, 66.9e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"H200.*NVL", 835e12, 417.5e12, 60e12),
+    (r"H200", 989.4e12, 494.7e12, 66.9e12),  # SXM, and GH200's GPU
+    (r"B200", 2250e12, 1100e12, None),
+    (r"A100", 312e12, 156e12, 19.5e12),  # SXM and PCIe alike
+    (r"\bA10G?\b", 125e12, 62.5e12, 31.2e12),  # A10G: AWS's A10, rated as the A10
+    (r"\bL40S\b", 362.05e12, 183e12, 91.6e12),
+    (r"\bL40\b", 181.05e12, 90.5e12, 90.5e12),
+    (r"\bL4\b", 121e12, 60e12, 30.3e12),
+    (r"V100S", None, None, 16.4e12),  # Volta has no bf16 or tf32 units
+    (r"V100.*PCIE", None, None, 14e12),
+    (r"V100", None, None, 15.7e12),
+    (r"RTX 4090", 165.2e12, 82.6e12, 82.6e12),  # tensor cores with fp32 accumulation
+    (r"RTX 3090", 71e12, 35.6e12, 35.6e12),
+    (r"MI300X", 1307.4e12, 653.7e12, 163.4e12),
+    (r"MI250X", 191.5e12, None, 47.9e12),  # one GCD: what torch sees as one device
+]
+COLUMNS = ("bf16", "tf32", "fp32")
+
+
+def gpu_peak(name: str, precision: str) -> float | None:
+    """The dense peak FLOP/s of the GPU called `name` in `precision` (bf16, tf32 or fp32); None when the
+    table does not know it (Note [peak FLOP/s])."""
+    for pattern, *peaks in GPU_PEAKS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return peaks[COLUMNS.index(precision)]
+    return None
+
+
+def cuda_precision(bf16: bool) -> str:
+    """The table column of a CUDA run: bf16 under autocast, else tf32 when fp32 products may use it."""
+    if bf16:
+        return "bf16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def matmul_rate(seconds: float = 0.3, size: int = 512) -> float:
+    """FLOP/s of float32 matrix products on this process's CPU threads: the mean over `seconds` of wall
+    time (a sustained rate, what the process gets while others share the cores)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = a @ b  # the first product allocates and wakes the library's threads
+    n, t0 = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - t0 < seconds:
+        torch.mm(a, b, out=out)
+        n += 1
+    return 2 * size ** 3 * n / (time.perf_counter() - t0)
+
+
+def cpu_peak(seconds: float = 0.02, size: int = 512) -> float:
+    """The CPU's peak float32 matrix-product FLOP/s for this process: one thread's fastest product, timed by
+    that thread's CPU time, times the process's thread count (Note [peak FLOP/s]).
+
+    Timed on one thread by its CPU time, a product is not slowed by other processes taking the core for
+    a moment (on a machine shared by a run's workers, the wall time of any product may be); the thread
+    count scales it to what the process's threads could do at most.
+    """
+    threads = torch.get_num_threads()
+    # A generator of its own: the run's random numbers (dropout, data) stay those of a run without this.
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
+    torch.set_num_threads(1)  # the product runs on this thread alone, so this thread's CPU time is its time
+    try:
+        out = a @ b
+        n, best, t0 = 0, float("inf"), time.perf_counter()
+        while n < 3 or time.perf_counter() - t0 < seconds:
+            t = time.thread_time()
+            torch.mm(a, b, out=out)
+            best = min(best, time.thread_time() - t)
+            n += 1
+    finally:
+        torch.set_num_threads(threads)
+    return threads * 2 * size ** 3 / best
