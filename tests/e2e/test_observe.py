@@ -2,6 +2,12 @@
 (trainer.memory_snapshot), from one profiled 2-rank pipeline run shared by the tests here."""
 import json
 import pickle
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
 
 import numpy as np
 import pytest
@@ -88,3 +94,65 @@ def test_on_cuda_the_trace_holds_kernels_and_the_memory_snapshot_is_written(tmp_
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
     snapshot = pickle.loads((tmp_path / "memory_snapshot" / "rank0.pickle").read_bytes())
     assert snapshot["segments"] and snapshot["device_traces"][0]
+
+
+# TensorBoard's own server over the run's directory, read through its HTTP data API (what its pages fetch).
+SERVED_SCALARS = ("train/loss", "memory/mem_peak_bytes", "train/bubble_measured", "throughput/mfu")
+TIMELINE_TAG = "pipeline/timeline"
+
+
+@pytest.fixture(scope="module")
+def tensorboard(pipeline_run, tmp_path_factory):
+    """`tensorboard --logdir <run>/tensorboard` on a free loopback port; its base URL once it serves scalars."""
+    log = tmp_path_factory.mktemp("tensorboard") / "server.log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(pipeline_run / "tensorboard"),
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 90
+        while not _get_json(url, "/data/plugin/scalars/tags", quiet=True).get(".", {}):
+            assert server.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < end, "tensorboard served no scalars within 90 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _get(url: str, path: str, **query) -> bytes:
+    with urllib.request.urlopen(f"{url}{path}?{urllib.parse.urlencode(query)}" if query else url + path,
+                                timeout=30) as r:
+        return r.read()
+
+
+def _get_json(url: str, path: str, quiet: bool = False, **query):
+    try:
+        return json.loads(_get(url, path, **query))
+    except OSError:
+        if quiet:
+            return {}
+        raise
+
+
+@pytest.mark.timeout(200)
+def test_tensorboard_serves_the_runs_scalars_and_timeline(pipeline_run, tensorboard):
+    records = cli.metrics(pipeline_run)
+    tags = _get_json(tensorboard, "/data/plugin/scalars/tags")["."]
+    for tag in SERVED_SCALARS:
+        assert tag in tags, sorted(tags)
+    # The values served are the values logged.
+    served = _get_json(tensorboard, "/data/plugin/scalars/scalars", run=".", tag="train/loss")
+    assert [(s, v) for _, s, v in served] == pytest.approx([(r["step"], r["loss"]) for r in records], rel=1e-6)
+    mfu = _get_json(tensorboard, "/data/plugin/scalars/scalars", run=".", tag="throughput/mfu")
+    assert mfu and all(0 < v <= 1 for _, _, v in mfu), mfu
+    images = _get_json(tensorboard, "/data/plugin/images/tags")["."]
+    assert TIMELINE_TAG in images, images
+    entries = _get_json(tensorboard, "/data/plugin/images/images", run=".", tag=TIMELINE_TAG)
+    assert [e["step"] for e in entries] == [STEPS]
+    png = _get(tensorboard, "/data/plugin/images/individualImage?" + entries[0]["query"])
+    assert png[:4] == b"\x89PNG" and _bands(png) == 2  # the picture, a row per rank
