@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = ["nproc=2", "strategy=pipeline", "model=gpt", "data.task=lm", "model.args.depth=4", "model.args.dim=64",
+RUN = ["nproc=2", "strategy=pipeline", "model=gpt", "data.task=lm", "model.args.layers=4", "model.args.dim=128",
        "data.seq_len=64", "trainer.steps=60", "trainer.log_every=5", "trainer.progress=false"]
 
 
