@@ -71,8 +71,9 @@ def main(dcfg: DictConfig) -> None:
     world = options["world_size"] or cfg.nproc or 1
     cfg.nproc = None
     validate(cfg, world)
-    plans = plan(cfg, world, by_module=options["plan.by_module"])
+    # As train.py's: run_dir, else Hydra's (hydra.run.dir, or its dated default); fixed before planning.
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    plans = plan(cfg, world, by_module=options["plan.by_module"])
     os.makedirs(run_dir, exist_ok=True)
     head = f"{'rank':>4}  {'ranks alike':<12}" + "".join(f"{k:>12}" for k in KINDS) + f"{'total':>12}  peak in"
     print(f"plan: strategy={cfg.strategy.name} model={cfg.model._target_ or cfg.model.name} world_size={world} "

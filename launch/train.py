@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from parallel.auto import chart, choose, device_budget, table  # noqa: E402
@@ -37,10 +38,13 @@ def main(dcfg: DictConfig) -> None:
     validate(cfg, world)
     # Workers get the validated config with derived values filled in (degrees, microbatches).
     cfg_dict = to_dict(cfg)
-    if started_by == "torchrun":
-        worker(cfg_dict, None)  # rank 0 picks the run dir (Note [one run directory])
-        return
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    if started_by == "torchrun":
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise ConfigError("-m (a sweep) under torchrun: each job of a sweep starts its own workers; run "
+                              f"`python launch/train.py -m nproc={world} ...` instead")
+        worker(cfg_dict, None, proposed=run_dir)  # rank 0's wins (Note [one run directory])
+        return
     if cfg.strategy.name == "auto":
         cfg_dict = _choose(cfg, world, run_dir, started_by)
     if started_by is not None:
@@ -70,8 +74,8 @@ def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
 def _run() -> None:
     if under_torchrun():
         # Note [one run directory] (parallel/launcher.py): each torchrun worker runs
-        # this script; Hydra must not create a directory of its own in each of them.
-        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null"]
+        # this script; Hydra must not write a .hydra/ of its own in each of them.
+        sys.argv += ["hydra.output_subdir=null"]
     if ("--cfg" in sys.argv or "-c" in sys.argv) and "--resolve" not in sys.argv:
         sys.argv.append("--resolve")  # show the values the run would use, not interpolations
     main()

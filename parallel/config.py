@@ -331,6 +331,20 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 
+# Groups that name a user's callable in `_target_` and may give its keyword arguments beside it, as Hydra's
+# `instantiate` takes them, instead of under `args`: their nodes take keys their schema lacks, and
+# parallel.targets moves those into `args` (and refuses them without a `_target_`).
+TARGET_GROUPS = ("model", "data", "loss", "optim")
+
+
+def schema() -> Any:
+    """The root schema as a config node; the TARGET_GROUPS nodes accept keys beyond their dataclass's."""
+    node = OmegaConf.structured(Config)
+    for group in TARGET_GROUPS:
+        OmegaConf.set_struct(node[group], False)
+    return node
+
+
 def register_configs() -> None:
     """Store the root schema so conf/config.yaml can extend it."""
     if not OmegaConf.has_resolver("parallel_outputs"):
@@ -338,7 +352,7 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("parallel_run_dir"):
         # hydra.run.dir: the user's run_dir when set, else Hydra's dated default.
         OmegaConf.register_new_resolver("parallel_run_dir", lambda chosen, default: chosen or default)
-    ConfigStore.instance().store(name="parallel_schema", node=Config)
+    ConfigStore.instance().store(name="parallel_schema", node=schema())
 
 
 register_configs()

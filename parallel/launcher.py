@@ -9,11 +9,15 @@ Four ways in, one body (`_work`):
     (hydra/launcher=slurm): each task is one worker (`join_submitit_job`).
 
 # Note [one run directory]
-All ranks of a run must write into the same directory. Hydra derives its output
-directory from `${now:}`, which each torchrun worker would evaluate on its own,
-so under torchrun rank 0 picks the directory and broadcasts it, and Hydra is
-told to write nothing (train.py). Otherwise the launching process fixes the
-directory before any worker starts and hands it to each of them.
+All ranks of a run must write into the same directory: `run_dir` when given,
+else Hydra's output directory (`hydra.run.dir`, by default dated). Where one
+process starts the workers, it fixes the directory before they start and hands
+it to each of them. Under torchrun every worker composes the config itself, and
+a default with `${now:}` may name another second in each; so rank 0's choice is
+broadcast, a worker whose Hydra made another (empty) directory removes it, and
+Hydra writes no .hydra/ of its own in each worker (train.py; rank 0 writes it).
+When torchrun restarts the workers (--max-restarts) they find the directory of
+its first start again through a note named by torchrun's run id.
 """
 from __future__ import annotations
 
@@ -173,11 +177,16 @@ def _failure_message(failure) -> str:
 
 
 @record
-def worker(cfg_dict: dict, run_dir: str | None) -> None:
-    """The entry point of one worker process (spawned by `launch`, or run by torchrun)."""
+def worker(cfg_dict: dict, run_dir: str | None, proposed: str | None = None) -> None:
+    """The entry point of one worker process (spawned by `launch`, or run by torchrun).
+
+    Args:
+        run_dir: the run directory, fixed before the workers started; None: the workers agree on one, rank 0's
+            `proposed` directory (Note [one run directory]).
+    """
     signal.signal(signal.SIGINT, _interrupted)
     try:
-        _work(cfg_dict, run_dir, single_process=False)
+        _work(cfg_dict, run_dir, single_process=False, proposed=proposed)
     except KeyboardInterrupt:
         # Ctrl-C reaches every worker; the launcher says so once. A checkpoint being
         # written stays unfinished, and is skipped (Note [atomic checkpoint]).
@@ -226,7 +235,7 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
-def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
+def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: str | None = None) -> None:
     """One worker: device, process group, the run directory agreed on, then the trainer's run."""
     cfg = from_dict(cfg_dict)  # resolved and validated before the workers started
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -243,7 +252,7 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
         dist.init_process_group(backend, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     try:
-        run_dir = Path(_agree_on_run_dir(run_dir, cfg_dict))
+        run_dir = Path(_agree_on_run_dir(run_dir, cfg_dict, proposed))
         setup_logging(run_dir, dist.get_rank())
         log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name,
                  dist.get_world_size(), device)
@@ -255,31 +264,35 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool) -> None:
         dist.destroy_process_group()
 
 
-def _agree_on_run_dir(run_dir: str | None, cfg_dict: dict) -> str:
+def _agree_on_run_dir(run_dir: str | None, cfg_dict: dict, proposed: str) -> str:
     """See Note [one run directory]."""
     if run_dir is None:
         choice = [None]
         if dist.get_rank() == 0:
-            choice[0] = cfg_dict.get("run_dir") or _torchrun_run_dir()
+            choice[0] = _torchrun_run_dir(proposed)
             Path(choice[0], ".hydra").mkdir(parents=True, exist_ok=True)
             OmegaConf.save(OmegaConf.create(cfg_dict), Path(choice[0], ".hydra", "config.yaml"))
             OmegaConf.save(OmegaConf.create(sys.argv[1:]), Path(choice[0], ".hydra", "overrides.yaml"))
         dist.broadcast_object_list(choice, src=0)
         run_dir = choice[0]
+        if Path(proposed).resolve() != Path(run_dir).resolve():
+            try:
+                Path(proposed).rmdir()  # what this worker's Hydra made for another second, still empty
+            except OSError:
+                pass
     return str(Path(run_dir).resolve())
 
 
-def _torchrun_run_dir() -> str:
-    """A new dated directory at torchrun's first start of the workers; the same one when it restarts them
+def _torchrun_run_dir(proposed: str) -> str:
+    """`proposed` at torchrun's first start of the workers; the directory of that start when it restarts them
     (--max-restarts), so that they resume from its checkpoints. Found again through a note named by the
     run id, which torchrun keeps across restarts."""
     note = Path("outputs", ".torchrun", os.environ["TORCHELASTIC_RUN_ID"])
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and note.is_file():
         return note.read_text().strip()
-    run_dir = time.strftime("outputs/%Y-%m-%d/%H-%M-%S-torchrun")
     note.parent.mkdir(parents=True, exist_ok=True)
-    note.write_text(run_dir)
-    return run_dir
+    note.write_text(str(Path(proposed).resolve()))
+    return proposed
 
 
 def _warn_shared_store() -> None:

@@ -52,6 +52,14 @@ def console_on(enabled: bool) -> None:
             log.removeHandler(h)
 
 
+def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
+    """The training steps' progress bar, shown on a terminal only: where the console is captured (a log file,
+    SLURM, a pipe) its carriage-return frames would fill the log, and the line each logged step writes
+    (trainer.log_every) is the progress instead."""
+    shown = enabled and sys.stdout.isatty() and sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, disable=not shown, desc="train", leave=False)
+
+
 class _TqdmHandler(logging.Handler):
     """Console lines written through tqdm so they do not break the progress bar."""
 

@@ -409,8 +409,9 @@ def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan
     dims = ParallelDims.of(cfg.strategy, world_size)
     out = []
     with contextlib.ExitStack() as stack:
-        if cfg.run_dir is None:  # offload makes its (here empty) directory there
+        if cfg.run_dir is None:  # offload makes its (here empty) directory there; the caller's cfg keeps None
             cfg.run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
+            stack.callback(setattr, cfg, "run_dir", None)
         for i, (rank, same) in enumerate(roles(dims)):
             p = _in_own_thread(plan_rank, cfg, dims, rank, by_module=by_module and i == 0)
             p.same_as = same

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from parallel import checkpoint, evaluation
 from parallel.config import Config
@@ -25,7 +24,7 @@ from parallel.dims import ParallelDims, batch_mesh, data_mesh
 from parallel.engine import Engine
 from parallel.init import ByName, InitPlan, init_plan
 from parallel.lr_schedule import build_scheduler
-from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss
+from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss, progress_bar
 from parallel.models import weights
 from parallel.models.build import build_meta_model
 from parallel.models.moe_stats import moe_record
@@ -183,8 +182,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     memory = PeakMemory(run.device)
     profiling = Profiling(t, run_dir, run.device)  # trainer.profile, trainer.memory_snapshot
     speed = Throughput.start(cfg, run.device, run.is_logger)  # Note [throughput] in parallel/throughput.py
-    bar = tqdm(total=t.steps, initial=start, disable=not (run.is_logger and t.progress), desc="train",
-               leave=False)
+    bar = progress_bar(t.steps, start, run.is_logger and t.progress)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
     # run; freezing it keeps the cyclic garbage collector from re-scanning it in
     # the middle of steps.

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel.batchnorm import check_sync_batchnorm
 from parallel.checkpoint import check_resume
-from parallel.config import Config, check_optim, check_trainer, fail, pipelined, positive, tensor_parallel
+from parallel.config import Config, check_optim, check_trainer, fail, pipelined, positive, schema, tensor_parallel
 from parallel.data import check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
 from parallel.loss import check_loss, check_loss_config
@@ -28,6 +28,7 @@ from parallel.strategies.context import check_context
 from parallel.strategies.expert import check_experts
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
 from parallel.strategies.tensor import check_plan, check_tensor_keys
+from parallel.targets import move_beside_keys
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -37,7 +38,8 @@ def to_config(cfg: DictConfig | dict) -> Config:
     sample, set before interpolations resolve (a model's `${data.features}` reads them).
     """
     if isinstance(cfg, dict):
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        cfg = OmegaConf.merge(schema(), cfg)
+    move_beside_keys(cfg)  # before the user's dataset is first called (Note [instantiate shape])
     for key, value in read_hints(cfg.data).items():
         cfg.data[key] = value
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]

@@ -110,21 +110,29 @@ def test_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path, monkeypat
 
 
 def test_torchrun_restart_keeps_the_run_directory(tmp_path, monkeypatch):
-    """Without run_dir, torchrun's restarted workers find the directory of its first start."""
-    from parallel.launcher import _torchrun_run_dir
+    """Restarted torchrun workers go on in the directory of its first start, whatever their Hydra names now
+    (a dated default names another second); that directory, still empty, is removed."""
+    import torch.distributed as dist
+
+    from parallel.launcher import _agree_on_run_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    first = _torchrun_run_dir()
-    time.sleep(1.1)  # a later start gets a later name
-    assert _torchrun_run_dir() != first
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    again = _torchrun_run_dir()
-    time.sleep(1.1)
-    assert _torchrun_run_dir() == again
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
-    assert _torchrun_run_dir() != again
+    first, later, other = (tmp_path / name for name in ("07-00-00", "07-00-05", "07-00-09"))
+    for d in (first, later, other):
+        d.mkdir()  # as each start's Hydra makes them
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert _agree_on_run_dir(None, {}, str(first)) == str(first)
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        assert _agree_on_run_dir(None, {}, str(later)) == str(first)
+        assert not later.exists()
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another torchrun run: its own directory
+        assert _agree_on_run_dir(None, {}, str(other)) == str(other)
+        assert first.exists() and (first / ".hydra" / "config.yaml").exists()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(200)

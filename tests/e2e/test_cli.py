@@ -29,9 +29,9 @@ def test_three_launch_ways_agree(tmp_path):
     """python nproc=2, torchrun, and a job of a Hydra sweep give the same run."""
     spawn = tmp_path / "spawn"
     cli.run(cli.FAST + DATA2 + [f"run_dir={spawn}"], cwd=tmp_path)
-    tr = tmp_path / "torchrun"
+    tr = tmp_path / "torchrun"  # Hydra's own key for the directory, honored under torchrun too
     args = [a for a in DATA2 if not a.startswith("nproc")]
-    cli.run(cli.FAST + args + [f"run_dir={tr}"], cwd=tmp_path, launcher=cli.torchrun(2))
+    cli.run(cli.FAST + args + [f"hydra.run.dir={tr}"], cwd=tmp_path, launcher=cli.torchrun(2))
     sweep = tmp_path / "sweep"
     cli.run(["-m"] + cli.FAST + DATA2 + ["trainer.seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
@@ -47,6 +47,26 @@ def test_three_launch_ways_agree(tmp_path):
     assert cli.losses(jobs[1])[0] != cli.losses(jobs[0])[0]
     # Under torchrun no per-process Hydra directories appear beside the run.
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_user_config_dir_in_instantiate_shape_trains_and_logs_lines(tmp_path):
+    """A model and an optimizer of the user's own config directory, in Hydra's instantiate shape, train; with
+    the console captured, the progress bar (on by default) gives way to one line per logged step."""
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "mine.yaml").write_text("_target_: tests.user_model.two_tower\nfeatures: ${data.features}\n"
+                                              "width: 8\n")
+    (conf / "optim").mkdir()
+    (conf / "optim" / "sgd.yaml").write_text("_target_: torch.optim.SGD\nlr: 0.05\nmomentum: 0.9\n")
+    run_dir = tmp_path / "run"
+    proc = cli.run(["--config-dir", str(conf), "model=mine", "optim=sgd", "trainer.steps=4", "trainer.log_every=2",
+                    f"run_dir={run_dir}"], cwd=tmp_path)
+    assert len(cli.metrics(run_dir)) == 2
+    saved = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "two_tower" in saved and "SGD" in saved
+    assert "\r" not in proc.stdout + proc.stderr
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["2", "4"]
 
 
 @pytest.mark.timeout(120)

@@ -76,6 +76,15 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_one(tmp_path, case)
             assert abs(p["total"] / measured[r] - 1) <= 0.10, (case, r, p["total"], measured[r])
 
 
+@pytest.mark.timeout(120)
+def test_plan_json_goes_to_hydras_run_directory(tmp_path):
+    """hydra.run.dir (run_dir: the cases above; Hydra's dated default takes the same way); the printed path is
+    that file's."""
+    mine = tmp_path / "mine"
+    out = plan([f"hydra.run.dir={mine}"], cwd=tmp_path).stdout
+    assert f"written: {mine / 'plan.json'}" in out and (mine / "plan.json").is_file()
+
+
 @pytest.mark.timeout(60)
 def test_plan_for_64_ranks_runs_here_in_under_a_minute(tmp_path):
     plan(["strategy=data", "strategy.zero=3", "world_size=64", "trainer.batch_size=64", f"run_dir={tmp_path}"],
