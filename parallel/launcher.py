@@ -286,12 +286,13 @@ def _agree_on_run_dir(run_dir: str | None, cfg_dict: dict, proposed: str) -> str
 def _torchrun_run_dir(proposed: str) -> str:
     """`proposed` at torchrun's first start of the workers; the directory of that start when it restarts them
     (--max-restarts), so that they resume from its checkpoints. Found again through a note named by the
-    run id, which torchrun keeps across restarts."""
+    run id, which torchrun keeps across restarts (written only when it may restart them)."""
     note = Path("outputs", ".torchrun", os.environ["TORCHELASTIC_RUN_ID"])
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and note.is_file():
         return note.read_text().strip()
-    note.parent.mkdir(parents=True, exist_ok=True)
-    note.write_text(str(Path(proposed).resolve()))
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(str(Path(proposed).resolve()))
     return proposed
 
 

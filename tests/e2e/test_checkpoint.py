@@ -119,6 +119,7 @@ def test_torchrun_restart_keeps_the_run_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     first, later, other = (tmp_path / name for name in ("07-00-00", "07-00-05", "07-00-09"))
     for d in (first, later, other):
         d.mkdir()  # as each start's Hydra makes them

@@ -120,6 +120,16 @@ def test_bad_input_exits_cleanly_naming_the_key(tmp_path, args, key):
     assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))  # nothing trained
 
 
+@pytest.mark.timeout(60)
+def test_a_sweep_under_torchrun_is_refused(tmp_path, monkeypatch):
+    """Each job of a sweep starts its own workers: a torchrun worker (its variables, here) refuses `-m`."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    proc = cli.run(["-m", "trainer.seed=0,1"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "config error: -m (a sweep) under torchrun" in proc.stderr and "nproc=1" in proc.stderr
+
+
 @pytest.mark.timeout(120)
 def test_failed_worker_ends_the_run_with_its_rank_and_error(tmp_path):
     proc = cli.run(cli.FAST + ["nproc=2", "strategy=data", "model=custom",
