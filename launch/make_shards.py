@@ -6,8 +6,9 @@
 
 Arrays: F.npy holds one sample's features per row (N x F; integer tokens N x L
 for a language model), T.npy its targets (N x T floats: regression; N integers:
-classification; N x L tokens: lm). Both are read memory-mapped, a chunk at a
-time, so arrays larger than RAM are fine.
+classification; N x L tokens: lm). Both are read a chunk at a time into
+buffers used again for each chunk, so arrays larger than RAM are fine and
+memory stays flat whatever their size.
 
 Text: FILES are UTF-8 text files, directories (every file under them) or glob
 patterns, comma-separated; TOK a Hugging Face tokenizer.json (or a directory
@@ -25,16 +26,16 @@ parallel.data.shards.write_shards.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-
 from parallel.config import ConfigError  # noqa: E402
 from parallel.data.shards import ShardWriter  # noqa: E402
+from parallel.data.shards.arrays import NpyRows  # noqa: E402
 from parallel.entry import reported  # noqa: E402
 
 COMMON = {"out": None, "shard_size": "256MB"}
@@ -79,7 +80,7 @@ def from_arrays(args: dict) -> None:
     columns = {}
     for key in ("features", "targets"):
         try:
-            columns[key] = np.load(args[key], mmap_mode="r")
+            columns[key] = NpyRows(args[key])
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}={args[key]!r}: cannot be read as a .npy array ({e})") from None
     if columns["features"].ndim == 0 or columns["targets"].ndim == 0:
@@ -89,13 +90,17 @@ def from_arrays(args: dict) -> None:
         raise ConfigError(f"targets: {len(columns['targets'])} samples, where features has {n}")
     t0 = time.perf_counter()
     writer = ShardWriter(args["out"], args["shard_size"])
-    chunk = 1 << 16
+    # Read in chunks of ~16 MB into buffers used again for each (parallel/data/shards/arrays.py).
+    row_bytes = sum(c.dtype.itemsize * math.prod(c.shape[1:]) for c in columns.values())
+    chunk = max(1, (16 << 20) // max(1, row_bytes))
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
-        writer.add_arrays({k: c[lo:hi] for k, c in columns.items()})
+        writer.add_arrays({k: c.rows(lo, hi) for k, c in columns.items()})
         print(f"\rwritten {hi:,} / {n:,} samples", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     m = writer.close()
+    for c in columns.values():
+        c.close()
     total = sum(s["bytes"] for s in m.shards)
     print(f"{m.count:,} samples in {len(m.shards)} shards ({total / 1e6:.1f} MB, {m.dtype.itemsize} bytes each) "
           f"in {time.perf_counter() - t0:.1f} s -> {args['out']}; task hints {m.record['hints']}")

@@ -11,8 +11,14 @@ MAKE = str(cli.ROOT / "launch" / "make_shards.py")
 F, T = 32, 4
 
 
-def make(tmp_path, n: int, name: str = "data", extra: list[str] = ()) -> str:
-    """A learnable regression dataset of `n` samples written by make_shards.py (inputs built chunk-wise)."""
+# Runs a command and prints the peak RSS (KiB) of it alone: the children of this process are that one only.
+PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+def make(tmp_path, n: int, name: str = "data", extra: list[str] = ()) -> tuple[str, int]:
+    """A learnable regression dataset of `n` samples written by make_shards.py (inputs built chunk-wise), and
+    make_shards.py's peak RSS in KiB."""
     x_path, y_path = tmp_path / f"{name}-x.npy", tmp_path / f"{name}-y.npy"
     x = np.lib.format.open_memmap(x_path, mode="w+", dtype=np.float32, shape=(n, F))
     y = np.lib.format.open_memmap(y_path, mode="w+", dtype=np.float32, shape=(n, T))
@@ -25,16 +31,17 @@ def make(tmp_path, n: int, name: str = "data", extra: list[str] = ()) -> str:
     x.flush(), y.flush()
     del x, y
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, MAKE, f"features={x_path}", f"targets={y_path}", f"out={out}", *extra],
+    proc = subprocess.run([sys.executable, "-c", PEAK, sys.executable, MAKE, f"features={x_path}",
+                           f"targets={y_path}", f"out={out}", *extra],
                           env=cli.env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     x_path.unlink(), y_path.unlink()
-    return str(out)
+    return str(out), int(proc.stdout.split()[-1])
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    return make(tmp_path_factory.mktemp("shards"), 3000, extra=["shard_size=64KB"])
+    return make(tmp_path_factory.mktemp("shards"), 3000, extra=["shard_size=64KB"])[0]
 
 
 @pytest.mark.timeout(200)
@@ -51,9 +58,11 @@ def test_one_and_two_ranks_train_alike_from_shards(dataset, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_ten_times_the_data_does_not_raise_peak_rss(tmp_path):
-    """Peak RSS of a run over 12 MB of shards and over 120 MB: the reader holds a window of sample
-    numbers and the batches read ahead, not the dataset."""
-    small, big = make(tmp_path, 80_000, "small"), make(tmp_path, 800_000, "big")
+    """Peak RSS of make_shards.py over 12 MB of arrays and over 120 MB: it holds a chunk of them, not the
+    pages it has read. And of a run over those shards: the reader holds a window of sample numbers and the
+    batches read ahead, not the dataset."""
+    (small, made_small), (big, made_big) = make(tmp_path, 80_000, "small"), make(tmp_path, 800_000, "big")
+    assert made_big <= 1.10 * made_small, (made_small, made_big)
     peaks = {}
     for name, path in (("small", small), ("big", big)):
         run_dir = tmp_path / f"run-{name}"

@@ -153,3 +153,27 @@ def test_bad_dataset_directories_are_config_errors(tmp_path, dataset, case, mess
         (path / "manifest.json").write_text(json.dumps(record))
     with pytest.raises(ConfigError, match=message):
         Manifest.load(path)
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(37 * 15, dtype=">f4").reshape(37, 3, 5),  # another byte order
+    np.asfortranarray(np.arange(41 * 8).reshape(41, 4, 2)),  # columns stored contiguously
+    np.arange(29.0),
+], ids=["big_endian", "fortran", "1d"])
+def test_npy_rows_reads_chunks_into_one_buffer(tmp_path, array):
+    from parallel.data.shards.arrays import NpyRows
+
+    np.save(tmp_path / "a.npy", array)
+    rows = NpyRows(tmp_path / "a.npy")
+    assert len(rows) == len(array) and rows.ndim == array.ndim
+    seen = []
+    for lo in range(0, len(array), 10):
+        got = rows.rows(lo, min(len(array), lo + 10))
+        assert got.dtype == array.dtype
+        np.testing.assert_array_equal(got, array[lo:lo + 10])
+        seen.append(got.base if got.base is not None else got)
+    assert all(np.shares_memory(s, seen[0]) for s in seen)  # one buffer, used again
+    rows.close()
+    (tmp_path / "a.npy").write_bytes((tmp_path / "a.npy").read_bytes()[:-9])
+    with pytest.raises(ConfigError, match="a.npy.*truncated"):
+        NpyRows(tmp_path / "a.npy").rows(0, len(array))

@@ -240,7 +240,7 @@ def write_text_shards(files: list[Path], tok: Tokenizer, out: str, seq_len: int,
         eos: the id appended after each document (eos_id), or None.
         dtype: the stored id type (token_dtype).
         shard_size: samples per shard, or a size with a unit.
-        progress: a progress bar on stderr, when it is a terminal (tqdm's own test).
+        progress: a progress bar on stderr.
     """
     from tqdm import tqdm
 
@@ -253,7 +253,7 @@ def write_text_shards(files: list[Path], tok: Tokenizer, out: str, seq_len: int,
     # 4 MB gathered per write (not the default 16): a few batches' windows; memory is the tokenizer's.
     writer = ShardWriter(out, shard_size, chunk_bytes=4 << 20, hints={"vocab_size": tok.vocab_size})
     packer = Packer(seq_len, dtype)
-    bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenize", disable=None if progress else True,
+    bar = tqdm(total=stats.bytes, unit="B", unit_scale=True, desc="tokenize", disable=not progress,
                mininterval=0.5, dynamic_ncols=True)
 
     def pieces() -> Iterator[tuple[str, bool]]:
