@@ -38,15 +38,13 @@ def move_beside_keys(cfg: DictConfig) -> None:
         schema = OmegaConf.get_type(node)
         fields = {f.name: f for f in dataclasses.fields(schema)}
         beside = [k for k in node.keys() if k not in fields]
-        if not beside:
-            continue
         target = node.get("_target_")
         raw = OmegaConf.to_container(node, resolve=False)  # interpolations resolve later, as the typed config's
         with open_dict(node):
             for key in beside:
                 _move(group, node, key, raw[key], target, sorted(fields))
-            if target and node.name == fields["name"].default and group in ("model", "data"):
-                node.name = "custom"
+        if target and group in ("model", "data") and node.name == fields["name"].default:
+            node.name = "custom"
 
 
 def _move(group: str, node: DictConfig, key: str, value, target, known: list[str]) -> None:

@@ -36,11 +36,13 @@ def test_a_user_config_directory_in_instantiate_shape(tmp_path):
                                                  "momentum: 0.9\nnesterov: true\n")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.yaml").write_text("_target_: tests.user_data.regression\nn: 64\nworkers: 0\n")
+    (tmp_path / "data" / "bare.yaml").write_text("_target_: tests.user_data.regression\n")
     cfg = typed(["model=mine", "optim=sgd", "data=mine"], searchpath=tmp_path)
     assert cfg.model.name == "custom" and cfg.model.args == {"features": 8, "width": 8, "out": 2}  # read from the data
     assert cfg.optim.args == {"momentum": 0.9, "nesterov": True} and cfg.optim.lr == 0.05
     assert cfg.data.name == "custom" and cfg.data.args == {"n": 64}
     validate(cfg, 1)
+    assert typed(["data=bare"], searchpath=tmp_path).data.name == "custom"  # a _target_ alone: the user's dataset
 
 
 BAD = [
