@@ -57,7 +57,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD, ids=[b[1].split(":")[0] for b in BAD])
+@pytest.mark.parametrize("overrides,message", BAD, ids=["model_both", "optim_both", "model_no_target",
+                                                         "optim_no_target", "hydra_key"])
 def test_bad_beside_keys_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         typed(overrides)
