@@ -78,11 +78,12 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_one(tmp_path, case)
 
 @pytest.mark.timeout(120)
 def test_plan_json_goes_to_hydras_run_directory(tmp_path):
-    """hydra.run.dir (run_dir: the cases above; Hydra's dated default takes the same way); the printed path is
-    that file's."""
+    """hydra.run.dir (run_dir: the cases above; Hydra's dated default takes the same way): plan.json and its
+    picture there, and the printed paths are theirs."""
     mine = tmp_path / "mine"
     out = plan([f"hydra.run.dir={mine}"], cwd=tmp_path).stdout
-    assert f"written: {mine / 'plan.json'}" in out and (mine / "plan.json").is_file()
+    for name in ("plan.json", "memory.png"):
+        assert f"written: {mine / name}" in out and (mine / name).is_file(), out
 
 
 @pytest.mark.timeout(60)
