@@ -21,7 +21,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from parallel.auto import chart, choose, device_budget, table  # noqa: E402
 from parallel.config import ConfigError, to_dict  # noqa: E402
-from parallel.entry import reported  # noqa: E402
+from parallel.entry import exit_with, reported  # noqa: E402
 from parallel.launcher import check_world_size, in_submitit_job, join_submitit_job, launch, under_torchrun, worker  # noqa: E402
 from parallel.validate import to_config, validate  # noqa: E402
 
@@ -82,4 +82,4 @@ def _run() -> None:
 
 
 if __name__ == "__main__":
-    reported(_run)()  # Ctrl-C outside the task (while Hydra composes): one line, exit 130
+    exit_with(reported(_run))  # Ctrl-C outside the task (while Hydra composes): one line, exit 130

@@ -289,7 +289,7 @@ def resume_target(cfg: Config, run_dir: Path) -> Path | None:
             path, skipped, box[1] = None, [], str(e)
         for line in skipped:
             log.warning("checkpoint skipped: %s", line)
-        if path is None and box[1] is None:
+        if path is None and box[1] is None and checkpoints_of(run_dir).is_dir():  # a new run says nothing
             log.info("no complete checkpoint in %s: starting at step 0", checkpoints_of(run_dir))
         box[0] = None if path is None else str(path)
     dist.broadcast_object_list(box, src=0)

@@ -256,9 +256,15 @@ class TrainerConfig:
     # keep_checkpoints complete ones are kept.
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
-    # Continue from a checkpoint: its directory, a run directory (its newest complete one), or auto (this
-    # run directory's newest; none there: start at step 0). Workers restarted by torchrun resume auto.
-    resume: Optional[str] = None
+    # Continue from a checkpoint: its directory, a run directory (its newest complete one), auto (this run
+    # directory's newest; none there: start at step 0), or null (start at step 0). auto by default, so that a
+    # requeued or restarted job goes on from where it stopped.
+    resume: Optional[str] = "auto"
+    # After a preemption signal (SIGTERM, SIGUSR1), stop at once when the step and its checkpoint have not
+    # ended within this many seconds (Note [preemption] in parallel/preemption.py).
+    preempt_timeout_s: float = 60.0
+    # Under SLURM, a preempted job requeues itself (submitit's protocol, or scontrol requeue).
+    requeue: bool = False
     # Evaluate every N steps and at the last step (0: never), over eval_batches global batches of the eval data
     # (parallel.evaluation); forward only, and training goes on exactly as without it.
     eval_every: int = 0
@@ -386,6 +392,9 @@ def check_trainer(t: TrainerConfig) -> None:
         fail("trainer.timeout_s", t.timeout_s, "must be > 0 seconds")
     if t.peak_flops is not None and not 0 < t.peak_flops < float("inf"):
         fail("trainer.peak_flops", t.peak_flops, "must be a device's peak FLOP/s > 0", ["e.g. 989e12", "null"])
+    if not t.preempt_timeout_s > 0:
+        fail("trainer.preempt_timeout_s", t.preempt_timeout_s, "must be > 0 seconds (after a preemption "
+             "signal, the time a step and its checkpoint may take before the worker stops without saving)")
     if t.device not in DEVICES:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:

@@ -4,18 +4,22 @@
     RunError            `error: ...` in one line, exit status 1
     WorkerFailed        the failed worker's traceback once, then `error: worker rank R failed: ...`, exit 1
     Interrupted, Ctrl-C `interrupted ...` in one line, exit status 130
+    Preempted           `preempted (SIGTERM): saved step N in ...` in one line, exit status 75 (Note [preemption])
     any other error     in a torchrun worker: one line (torchrun's summary has the traceback), exit 1;
                         elsewhere it is a bug and keeps its traceback
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
-from typing import Callable
+import traceback
+from typing import Callable, NoReturn
 
 from parallel.config import ConfigError, RunError
-from parallel.launcher import Interrupted, WorkerFailed, report_worker_error, under_torchrun
+from parallel.launcher import Interrupted, WorkerFailed, ran_a_worker, report_worker_error, under_torchrun
+from parallel.preemption import PREEMPTED, Preempted
 
 
 def _rank0() -> bool:
@@ -43,6 +47,10 @@ def reported(main: Callable) -> Callable:
         except Interrupted as e:
             print(e, file=sys.stderr)
             sys.exit(130)
+        except Preempted as e:
+            if _rank0():
+                print(e, file=sys.stderr)
+            sys.exit(PREEMPTED)
         except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: one line, from one
             if _rank0():
                 print("interrupted", file=sys.stderr)
@@ -56,3 +64,49 @@ def reported(main: Callable) -> Callable:
         return code
 
     return wrapper
+
+
+# Note [ending a worker]
+# A process that has run a worker (parallel.launcher._work) ends without the
+# interpreter's finalization. Finalization destroys what is still alive in an
+# order nobody controls: C++ objects of torch.distributed (gloo's worker threads
+# holding asynchronous work and its tensors, whose release needs the GIL) may go
+# after the interpreter has started tearing down, and the process aborts after
+# its run has ended ("terminate called without an active exception", SIGABRT,
+# exit status 1 instead of 0). The worker already releases its run and drains the
+# group before destroying it (launcher._close_group); ending with os._exit once
+# everything is written removes the hazard, and ~1 s of teardown, by
+# construction. Nothing is lost: the run's files are closed, @record has written
+# a failed worker's error file before the exception reached the wrapper, the
+# atexit handlers (logging's flush among them) run, and stdout and stderr are
+# flushed. A process that ran no worker (a config error, --cfg) exits normally.
+# Forked workers already end this way (multiprocessing's fork ends with os._exit).
+
+
+def exit_with(main: Callable) -> NoReturn:
+    """Run an entry point (wrapped by `reported`) and exit with its status: Note [ending a worker]."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if not ran_a_worker():
+            raise
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        if not ran_a_worker():
+            raise
+        traceback.print_exc()
+        code = 1
+    if not ran_a_worker():
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what the interpreter would run first at exit (logging.shutdown flushes the logs)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be written to it
+            pass
+    os._exit(code)

@@ -21,6 +21,7 @@ its first start again through a note named by torchrun's run id.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -38,6 +39,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from parallel import preemption
 from parallel.config import ConfigError, from_dict
 from parallel.dims import device_for_rank
 from parallel.metrics import log, setup_logging
@@ -76,6 +78,7 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
     Raises:
         WorkerFailed: naming the first failed rank and its error.
         Interrupted: Ctrl-C or a signal stopped the workers.
+        Preempted: a preemption signal stopped every worker after a checkpoint (Note [preemption]).
     """
     try:
         if nproc == 1:
@@ -99,19 +102,31 @@ def _start_workers(cfg_dict: dict, run_dir: str, nproc: int) -> None:
     fork = not torch.accelerator.is_available()
     agent_log = logging.getLogger("torch.distributed.elastic")
     level = agent_log.level
+    # It says "Terminating process N via signal SIGTERM" of the workers still ending when one has ended (a
+    # failure, or all stopping after a preemption): the report below says what happened.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     entrypoint = _forked_worker(agent_log, level) if fork else worker
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         # As torchrun --standalone does: a private rendezvous on a free local port.
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()),
         max_restarts=0, monitor_interval=0.1, start_method="fork" if fork else "spawn",
+        # Preemption signals are not the agent's (it would stop the workers at once): they are forwarded.
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
     # The agent logs each failed worker's traceback line by line; WorkerFailed
     # carries it instead, so the user sees it once.
     agent_log.setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, entrypoint=entrypoint)(cfg_dict, run_dir)
+        with preemption.forwarding() as forwarded:
+            elastic_launch(config, entrypoint=entrypoint)(cfg_dict, run_dir)
     except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        if preemption.all_preempted(codes):
+            raise preemption.preempted_run(forwarded, run_dir) from None
+        if signame := preemption.stopped_at_once(codes):
+            raise Interrupted(f"interrupted ({signame}): every worker stopped; checkpoints complete so far are "
+                              f"in {run_dir}") from None
         rank, failure = e.get_first_failure()
         raise WorkerFailed(rank, _failure_message(failure), _failure_traceback(failure)) from None
     finally:
@@ -121,7 +136,7 @@ def _start_workers(cfg_dict: dict, run_dir: str, nproc: int) -> None:
 def _forked_worker(agent_log: logging.Logger, level: int):
     """The entry point of a forked worker: it starts as a spawned one would, without the signal handlers the
     agent installs before it forks (they turn SIGTERM into an exception) and the logging set up here."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    signals = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT) + preemption.signals()
     before = {s: signal.getsignal(s) for s in signals}
     handlers = list(logging.root.handlers)  # Hydra's, on this process's console
     sys.stdout.flush()  # what is buffered would be written again by every worker
@@ -187,6 +202,8 @@ def worker(cfg_dict: dict, run_dir: str | None, proposed: str | None = None) -> 
     signal.signal(signal.SIGINT, _interrupted)
     try:
         _work(cfg_dict, run_dir, single_process=False, proposed=proposed)
+    except preemption.Preempted:  # rank 0 said so in the log (and requeued the job when asked)
+        sys.exit(preemption.PREEMPTED)
     except KeyboardInterrupt:
         # Ctrl-C reaches every worker; the launcher says so once. A checkpoint being
         # written stays unfinished, and is skipped (Note [atomic checkpoint]).
@@ -251,17 +268,47 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
     else:
         dist.init_process_group(backend, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
+    global _worked
+    _worked = True
     try:
-        run_dir = Path(_agree_on_run_dir(run_dir, cfg_dict, proposed))
-        setup_logging(run_dir, dist.get_rank())
-        log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name,
-                 dist.get_world_size(), device)
-        if cfg.memory.fraction is not None and device.type != "cuda":
-            log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
-        _warn_shared_store()
-        run_training(cfg, run_dir, device)
-    finally:
-        dist.destroy_process_group()
+        with preemption.watching(cfg.trainer.preempt_timeout_s):
+            run_dir = Path(_agree_on_run_dir(run_dir, cfg_dict, proposed))
+            setup_logging(run_dir, dist.get_rank())
+            log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name,
+                     dist.get_world_size(), device)
+            if cfg.memory.fraction is not None and device.type != "cuda":
+                log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
+            _warn_shared_store()
+            run_training(cfg, run_dir, device)
+    except preemption.Preempted as e:
+        _close_group(drain=True)
+        preemption.finish(e, cfg.trainer.requeue)  # in a submitit job, it may exit here (requeued)
+        raise
+    except BaseException:
+        _close_group(drain=False)
+        raise
+    _close_group(drain=True)
+
+
+_worked = False  # this process has run a worker (`_work`)
+
+
+def ran_a_worker() -> bool:
+    """True once this process has run a worker: see Note [ending a worker] (parallel/entry.py)."""
+    return _worked
+
+
+def _close_group(drain: bool) -> None:
+    """Destroy the process group with nothing of the run left behind it (Note [ending a worker]).
+
+    Args:
+        drain: every rank is here (the run ended or stopped at a step boundary): a barrier first, which on
+            gloo waits for every collective issued before it, asynchronous ones included.
+    """
+    if drain:
+        dist.barrier()
+    gc.collect()  # the run's modules, tensors and work handles go now, while the group and the GIL are whole
+    dist.destroy_process_group()
 
 
 def _agree_on_run_dir(run_dir: str | None, cfg_dict: dict, proposed: str) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from parallel import checkpoint, evaluation
+from parallel import checkpoint, evaluation, preemption
 from parallel.config import Config
 from parallel.data import DataSource, build_data, build_eval_data
 from parallel.dims import ParallelDims, batch_mesh, data_mesh
@@ -188,7 +188,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     # the middle of steps.
     gc.collect()
     gc.freeze()
-    losses, window = [], _Window()
+    losses, window, stop = [], _Window(), None
     for step in range(start + 1, t.steps + 1):
         logging_step = step % t.log_every == 0 or step == t.steps
         watched = step == start + 1 or logging_step
@@ -212,10 +212,14 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
             metrics.log({"step": step, **evals})
         if checkpoints.due(step):
             checkpoints.save(run, step)
+        if stop := preemption.stop_here(run, checkpoints, step):  # a collective (Note [preemption])
+            break
     gc.unfreeze()  # a sweep runs several jobs in one process: let this run's objects go
     profiling.close()
     bar.close()
     metrics.close()
+    if stop:
+        raise stop
     return losses
 
 

@@ -21,6 +21,7 @@ from parallel.models.build import build_meta_model, check_model, check_model_tak
 from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
 from parallel.optim import check_optimizer
+from parallel.preemption import check_requeue
 from parallel.profiling import check_profile
 from parallel.strategies import check_strategy
 from parallel.strategies.compile import check_compile
@@ -74,6 +75,7 @@ def validate(cfg: Config, world_size: int) -> None:
     # 1. Each group's own values: cheap, and nothing below is meaningful without them.
     check_trainer(cfg.trainer)
     check_profile(cfg.trainer)
+    check_requeue(cfg.trainer.requeue)
     if cfg.nproc is not None:
         positive("nproc", cfg.nproc)
     check_optim(cfg.optim)
