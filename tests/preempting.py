@@ -1,5 +1,6 @@
 """A loss that preempts its own run: signals sent from inside a training step, so that they land in the middle of
-that step whatever the machine's speed (importable by the workers as tests.preempting.signalling_mse)."""
+that step whatever the machine's speed (importable by the workers as tests.preempting.signalling_mse); and the
+runs the preemption tests share."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,37 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from tests import cli
+
+# The runs of the preemption tests (tests/e2e/test_preemption.py, test_submitit.py): signalled in step AT.
+STEPS, AT = 6, 3
+BASE = ["trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true", "trainer.timeout_s=60",
+        f"trainer.steps={STEPS}", "loss._target_=tests.preempting.signalling_mse"]
+STRATEGIES = {
+    "data zero 3": ["nproc=2", "strategy=data", "strategy.zero=3"],
+    "pipeline": ["nproc=2", "strategy=pipeline"],
+    "offload": ["strategy=offload", "strategy.params=disk", "strategy.optimizer=cpu"],
+}
+
+
+def signalling(run_dir, signals: str, to: str, rank: int) -> list[str]:
+    """The loss's arguments that send `signals` from inside step AT (tests.preempting.signalling_mse)."""
+    return [f"+loss.args.at={AT}", f"+loss.args.signals='{signals}'", f"+loss.args.to={to}", f"+loss.args.rank={rank}",
+            f"+loss.args.metrics={run_dir}/metrics.jsonl"]
+
+
+def assert_continues(run_dir, ref_dir) -> None:
+    """`run_dir` logged every step once with the uninterrupted run's losses (1e-5), and ended with its weights."""
+    got, want = cli.metrics(run_dir), cli.metrics(ref_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in got], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in want], dtype=torch.float64), rtol=1e-5, atol=0)
+    got_w, want_w = cli.final_weights(run_dir), cli.final_weights(ref_dir)
+    assert sorted(got_w) == sorted(want_w)
+    for name in want_w:
+        torch.testing.assert_close(got_w[name], want_w[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
 
 _sent = [False]
 

@@ -1,0 +1,65 @@
+"""Preemption's pieces without a run (Note [preemption]): a signal delivered twice counts once, a second one or
+trainer.preempt_timeout_s stops at once; what the launcher makes of its workers' exit statuses; the warning of
+trainer.requeue outside SLURM. Runs: tests/e2e/test_preemption.py."""
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parallel import preemption
+from tests import cli
+
+# A worker of one process watching for signals: SIGUSR1 twice at once, the agreement, then SIGTERM after `gap`.
+WORKER = """
+import os, signal, sys, time
+import torch.distributed as dist
+from parallel import preemption
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+with preemption.watching(float(sys.argv[1])) as watch:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.3)
+    print("agreed", watch.agreed(), flush=True)
+    time.sleep(float(sys.argv[2]))
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+print("not stopped", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout_s,gap,status,why", [
+    (30, 1.2, 128 + 15, "a second signal (SIGTERM): stopping at once, without saving"),
+    (0.8, 20, 128 + 10, "trainer.preempt_timeout_s=0.8 passed since SIGUSR1: stopping at once, without saving"),
+], ids=["second signal", "timeout"])
+def test_a_second_signal_or_the_timeout_stops_at_once(timeout_s, gap, status, why):
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(timeout_s), str(gap)], cwd=cli.ROOT, env=cli.env(),
+                          capture_output=True, text=True, timeout=50)
+    assert proc.stdout == "agreed 10\n", proc.stdout + proc.stderr  # SIGUSR1 twice at once: one signal
+    assert proc.returncode == status and why in proc.stderr, proc.stderr
+
+
+def test_launcher_reads_its_workers_exit_statuses():
+    assert preemption.all_preempted([75, 75]) and preemption.all_preempted([75])
+    assert not preemption.all_preempted([75, 1]) and not preemption.all_preempted([])
+    assert preemption.stopped_at_once([143, 143]) == "SIGTERM"
+    assert preemption.stopped_at_once([138, -15]) == "SIGUSR1"
+    assert preemption.stopped_at_once([143, 1]) is None
+
+
+def test_requeue_outside_slurm_is_a_warning(monkeypatch, caplog):
+    for key in ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(key, raising=False)
+    with caplog.at_level(logging.WARNING, logger="parallel"):
+        preemption.check_requeue(False)
+        assert not caplog.records
+        preemption.check_requeue(True)
+    assert "trainer.requeue=true: not in a SLURM job" in caplog.text and "nothing is requeued" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    with caplog.at_level(logging.WARNING, logger="parallel"):
+        preemption.check_requeue(True)
+    assert not caplog.records
+    assert os.environ["SLURM_JOB_ID"] == "12"
