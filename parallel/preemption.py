@@ -4,7 +4,7 @@
 Clusters end jobs with a signal: SLURM sends SIGTERM at preemption (SIGKILL after
 its grace time) and, with `--signal=USR1@90`, SIGUSR1 ahead of the time limit;
 Kubernetes sends SIGTERM; submitit sends its own signal (SUBMITIT_PREEMPT_SIGNAL,
-USR2 by default). A worker that receives one of them (`SIGNALS`):
+USR2 by default). A worker that receives one of them (`signals()`):
 
   1. finishes the step it is in: the handler only records the signal (a watcher
      thread reads it from Python's wakeup fd, so it is seen even while the main
@@ -12,8 +12,12 @@ USR2 by default). A worker that receives one of them (`SIGNALS`):
   2. at every step boundary all ranks all-reduce (max) the signal each has seen,
      one int over a CPU (gloo) group: a rank that saw none, or saw it a step
      later, still stops at the same step as the others, so no rank saves another
-     step. This is the one collective the check adds to a step (~0.1 ms with 2
-     ranks on gloo; benchmarks/preemption.py);
+     step. It is the one collective the check adds to a step, and a point where
+     the ranks wait for each other: 0.13-0.24 ms alone with 2 gloo ranks on one
+     host, 0.5-0.9 ms added to a 2-10 ms CPU step on 2 shared cores
+     (benchmarks/preemption.py); under 1% of a step of 100 ms or more. It stops
+     at the step the signal came in, which an asynchronous check (overlapped
+     with the next step) would not;
   3. saves a checkpoint of that step through the atomic path (Note [atomic
      checkpoint]), whatever trainer.checkpoint_every is, and stops;
   4. exits with PREEMPTED (75, EX_TEMPFAIL in sysexits.h: a temporary failure,
@@ -40,7 +44,8 @@ Where the signal arrives:
     to its workers (`forwarding`) and waits for them;
   * torchrun's agent: it forwards SIGTERM (and what --signals-to-handle adds,
     e.g. SIGUSR1) to its workers and SIGKILLs them after --shutdown-timeout
-    (default 30 s), which must cover a step and a checkpoint.
+    (default 30 s), which must cover a step and a checkpoint; torchrun itself
+    then ends with its own SignalException (exit status 1, its traceback).
 """
 from __future__ import annotations
 
