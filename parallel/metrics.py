@@ -31,9 +31,9 @@ PICTURE_EVERY_S = 60.0  # Note [pictures]
 
 def setup_logging(run_dir: Path, rank: int) -> None:
     """Rank 0 logs to the console and logs/rank0.log; other ranks to their own file only."""
-    # tqdm's default lock holds a multiprocessing semaphore, which a worker that a signal ends (or one started
-    # by spawn) leaves behind: "resource_tracker: ... leaked semaphore objects" at shutdown. Workers never
-    # share a progress bar, so a thread lock serves.
+    # tqdm's default lock holds a multiprocessing semaphore; a worker started by spawn (a GPU run, torchrun)
+    # that a signal ends leaves it behind: "resource_tracker: ... leaked semaphore objects" at shutdown. A
+    # worker's bar and lines are its own, so a thread lock serves.
     tqdm.set_lock(threading.RLock())
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     log.handlers.clear()
