@@ -263,6 +263,9 @@ class TrainerConfig:
     # After a preemption signal (SIGTERM, SIGUSR1), stop at once when the step and its checkpoint have not
     # ended within this many seconds (Note [preemption] in parallel/preemption.py).
     preempt_timeout_s: float = 60.0
+    # The ranks agree on a preemption signal at every step boundary when steps take this long, else every few
+    # steps, about this many seconds apart (the check is a collective); 0: at every boundary.
+    preempt_check_s: float = 0.1
     # Under SLURM, a preempted job requeues itself (submitit's protocol, or scontrol requeue).
     requeue: bool = False
     # Evaluate every N steps and at the last step (0: never), over eval_batches global batches of the eval data
@@ -395,6 +398,9 @@ def check_trainer(t: TrainerConfig) -> None:
     if not t.preempt_timeout_s > 0:
         fail("trainer.preempt_timeout_s", t.preempt_timeout_s, "must be > 0 seconds (after a preemption "
              "signal, the time a step and its checkpoint may take before the worker stops without saving)")
+    if not t.preempt_check_s >= 0:
+        fail("trainer.preempt_check_s", t.preempt_check_s, "must be >= 0 seconds (0: check for a preemption "
+             "signal at every step boundary)")
     if t.device not in DEVICES:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:

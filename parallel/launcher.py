@@ -271,7 +271,7 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
     global _worked
     _worked = True
     try:
-        with preemption.watching(cfg.trainer.preempt_timeout_s):
+        with preemption.watching(cfg.trainer.preempt_timeout_s, cfg.trainer.preempt_check_s):
             run_dir = Path(_agree_on_run_dir(run_dir, cfg_dict, proposed))
             setup_logging(run_dir, dist.get_rank())
             log.info("run dir %s | strategy %s | world %d | device %s", run_dir, cfg.strategy.name,

@@ -9,15 +9,22 @@ USR2 by default). A worker that receives one of them (`signals()`):
   1. finishes the step it is in: the handler only records the signal (a watcher
      thread reads it from Python's wakeup fd, so it is seen even while the main
      thread waits in a collective);
-  2. at every step boundary all ranks all-reduce (max) the signal each has seen,
-     one int over a CPU (gloo) group: a rank that saw none, or saw it a step
+  2. at a step boundary all ranks all-reduce (max) the signal each has seen,
+     two ints over a CPU (gloo) group: a rank that saw none, or saw it a step
      later, still stops at the same step as the others, so no rank saves another
-     step. It is the one collective the check adds to a step, and a point where
-     the ranks wait for each other: 0.13-0.24 ms alone with 2 gloo ranks on one
-     host, 0.5-0.9 ms added to a 2-10 ms CPU step on 2 shared cores
-     (benchmarks/preemption.py); under 1% of a step of 100 ms or more. It stops
-     at the step the signal came in, which an asynchronous check (overlapped
-     with the next step) would not;
+     step. It is the one collective the check adds, and a point where the ranks
+     wait for each other: 0.13-0.24 ms alone with 2 gloo ranks on one host,
+     0.5-0.9 ms added to a 2-10 ms CPU step on 2 shared cores
+     (benchmarks/preemption.py). So the ranks compare notes at every boundary
+     only when steps take trainer.preempt_check_s (0.1 s) or longer, as a
+     GPU's steps mostly do (the cost is then under 1%, and the run stops at the
+     step the signal came in, which an asynchronous check overlapped with the
+     next step would not); shorter steps are checked every k-th boundary, k
+     such that k steps take about preempt_check_s (`checks_every`), so the cost
+     stays near 1% and a signal is acted on at most about preempt_check_s
+     later. Each rank proposes k from its own steps since the last check, and
+     the same all-reduce agrees on the smallest, so every rank checks at the
+     same boundaries; trainer.preempt_check_s=0 checks every boundary;
   3. saves a checkpoint of that step through the atomic path (Note [atomic
      checkpoint]), whatever trainer.checkpoint_every is, and stops;
   4. exits with PREEMPTED (75, EX_TEMPFAIL in sysexits.h: a temporary failure,
@@ -67,6 +74,15 @@ from parallel.metrics import log
 
 PREEMPTED = os.EX_TEMPFAIL  # 75; Note [preemption]
 SAME_SIGNAL_S = 1.0  # a signal again within this many seconds is the same one, delivered twice
+MAX_EVERY = 1000  # the most steps between two checks, however short the steps
+
+
+def checks_every(seconds_per_step: float, check_s: float) -> int:
+    """How many steps apart the ranks check for a signal when a step takes `seconds_per_step`: every step when
+    steps take `check_s` or longer (or check_s is 0), else about check_s / seconds_per_step (Note [preemption])."""
+    if check_s <= 0 or seconds_per_step >= check_s:
+        return 1
+    return min(MAX_EVERY, max(1, int(check_s / max(seconds_per_step, 1e-9))))
 
 
 def signals() -> tuple[signal.Signals, ...]:
@@ -109,11 +125,15 @@ class Watch:
 
     Args:
         timeout_s: after the first signal, stop at once when this many seconds have passed.
+        check_s: the ranks check at every step boundary when steps take this long, else every few (Note
+            [preemption]).
         group: the process group to agree over (a CPU one); None: the default group.
     """
 
-    def __init__(self, timeout_s: float, group=None):
-        self.timeout_s, self.group = timeout_s, group
+    def __init__(self, timeout_s: float, check_s: float = 0.0, group=None):
+        self.timeout_s, self.check_s, self.group = timeout_s, check_s, group
+        self.next_check = 0  # the first step boundary of the next check
+        self._last: tuple[int, float] | None = None  # (step, time) of the last check
         self.signum = 0  # the first signal received (0: none yet); written by the watcher thread only
         self.saved = False  # the checkpoint is complete: later signals are ignored
         self._first = 0.0
@@ -150,13 +170,22 @@ class Watch:
         os.close(self._read)
         os.close(self._write)
 
-    def agreed(self) -> int:
+    def due(self, step: int) -> bool:
+        """Whether the ranks check at the boundary after `step` (the same answer on every rank)."""
+        return step >= self.next_check
+
+    def agreed(self, step: int | None = None) -> int:
         """The signal every rank stops for at this step boundary, 0 for none (a collective: every rank calls it
-        at every boundary)."""
-        flag = torch.tensor([self.signum], dtype=torch.int32)
+        at the same boundaries). With `step`, also when to check next: the fewest steps apart any rank proposes."""
+        every = 1
+        if step is not None and self._last is not None and step > self._last[0]:
+            every = checks_every((time.monotonic() - self._last[1]) / (step - self._last[0]), self.check_s)
+        flag = torch.tensor([self.signum, -every], dtype=torch.int64)  # max of -every: the smallest every
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
+        if step is not None:
+            self.next_check, self._last = step - int(flag[1]), (step, time.monotonic())
+        return int(flag[0])
 
     def _watch(self) -> None:
         deadline = None
@@ -198,11 +227,11 @@ _given_back: dict = {}  # the handlers before the Watch, after a preemption (sub
 
 
 @contextlib.contextmanager
-def watching(timeout_s: float):
+def watching(timeout_s: float, check_s: float = 0.0):
     """Watch for preemption signals while a worker runs (from its main thread, with the process group up)."""
     global _watch
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")  # the agreement is on CPU
-    _watch = Watch(timeout_s, group)
+    _watch = Watch(timeout_s, check_s, group)
     _watch.start()
     try:
         yield _watch
@@ -214,9 +243,9 @@ def watching(timeout_s: float):
 def stop_here(run, checkpoints, step: int) -> Preempted | None:
     """At the boundary after `step` (every rank calls it): when a signal has come, save `step` and return what
     stops the run. The last step ends the run anyway, so it is not checked."""
-    if _watch is None or step == run.cfg.trainer.steps:
+    if _watch is None or step == run.cfg.trainer.steps or not _watch.due(step):
         return None
-    signum = _watch.agreed()
+    signum = _watch.agreed(step)
     if not signum:
         return None
     path = step_dir(checkpoints.root, step) if checkpoints.due(step) else checkpoints.save(run, step)

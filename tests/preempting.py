@@ -16,7 +16,10 @@ from tests import cli
 # The runs of the preemption tests (tests/e2e/test_preemption.py, test_submitit.py): signalled in step AT.
 STEPS, AT = 6, 3
 BASE = ["trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true", "trainer.timeout_s=60",
-        f"trainer.steps={STEPS}", "loss._target_=tests.preempting.signalling_mse"]
+        f"trainer.steps={STEPS}", "loss._target_=tests.preempting.signalling_mse",
+        # Agreed on at every step boundary, so that the run stops after the step the signal came in (these
+        # steps are shorter than the default preempt_check_s: tests/unit/test_preemption.py has that cadence).
+        "trainer.preempt_check_s=0"]
 STRATEGIES = {
     "data zero 3": ["nproc=2", "strategy=data", "strategy.zero=3"],
     "pipeline": ["nproc=2", "strategy=pipeline"],

@@ -1,4 +1,5 @@
 """Hydra's submitit launcher: the SLURM config composes, and a job's tasks run as the workers of one run."""
+import os
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,14 @@ def test_slurm_launcher_config_composes():
 
 
 @pytest.mark.timeout(300)
-def test_tasks_of_a_submitit_job_are_the_workers_and_a_preempted_job_requeues(reference, tmp_path):
+def test_tasks_of_a_submitit_job_are_the_workers_and_a_preempted_job_requeues(reference, tmp_path, monkeypatch):
     """The local executor runs a job's tasks as processes, as SLURM would on a node. Submitit's signal reaches
     task 0 in step 3 (tests/preempting.py): with trainer.requeue the job requeues itself through submitit's
     checkpoint protocol, and its tasks start again and go on from step 3 (Note [preemption])."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    # Submitit's tasks are new interpreters started elsewhere: the signalling loss (tests.preempting) is
+    # importable from the repository's root.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(cli.ROOT), os.environ.get("PYTHONPATH")])))
     run_dir, sweep = tmp_path / "run", tmp_path / "sweep"
     cli.run(["-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}",
              "hydra.sweep.subdir=job", "trainer.requeue=true", f"run_dir={run_dir}",

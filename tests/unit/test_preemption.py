@@ -63,3 +63,49 @@ def test_requeue_outside_slurm_is_a_warning(monkeypatch, caplog):
         preemption.check_requeue(True)
     assert not caplog.records
     assert os.environ["SLURM_JOB_ID"] == "12"
+
+
+def test_short_steps_are_checked_every_few_steps_about_preempt_check_s_apart():
+    assert preemption.checks_every(0.5, 0.1) == 1 and preemption.checks_every(0.1, 0.1) == 1
+    assert preemption.checks_every(0.004, 0.1) == 25 and preemption.checks_every(0.001, 0) == 1
+    assert preemption.checks_every(1e-7, 0.1) == preemption.MAX_EVERY
+
+
+# One process checking after each step of `seconds` (argv[2]) with preempt_check_s argv[1]: the boundaries it
+# agrees at, then a signal and the boundary that sees it.
+CADENCE = """
+import os, signal, sys, time
+import torch.distributed as dist
+from parallel import preemption
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+with preemption.watching(30, float(sys.argv[1])) as watch:
+    checked = []
+    for step in range(1, 13):
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)  # the watcher thread has it before this step ends
+        time.sleep(float(sys.argv[2]))
+        if watch.due(step):
+            checked.append((step, watch.agreed(step)))
+print(checked, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("check_s,expected", [
+    (0.0, [(s, 15 if s >= 7 else 0) for s in range(1, 13)]),
+    # Steps of 10 ms against 0.05 s: the first two boundaries, then every 5th (the check's own time makes the
+    # measured step a little longer, so 4 apart is also right); the signal in step 7 is seen at the next check.
+    (0.05, None),
+], ids=["every boundary", "every few"])
+def test_the_ranks_agree_at_every_boundary_or_every_few(check_s, expected):
+    proc = subprocess.run([sys.executable, "-c", CADENCE, str(check_s), "0.01"], cwd=cli.ROOT, env=cli.env(),
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    checked = eval(proc.stdout)
+    if expected is not None:
+        assert checked == expected
+        return
+    steps = [s for s, _ in checked]
+    assert steps[:2] == [1, 2] and all(b - a in (4, 5) for a, b in zip(steps[1:], steps[2:])), steps
+    seen = [s for s, signum in checked if signum]
+    assert seen and seen[0] == min(s for s in steps if s >= 7) and 0 <= seen[0] - 7 <= 5, checked

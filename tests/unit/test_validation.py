@@ -32,6 +32,7 @@ BAD = [
     ({"trainer__peak_flops": float("inf")}, 1, "trainer.peak_flops"),
     ({"trainer__preempt_timeout_s": 0.0}, 1, "trainer.preempt_timeout_s"),
     ({"trainer__preempt_timeout_s": -30.0}, 1, "trainer.preempt_timeout_s"),
+    ({"trainer__preempt_check_s": -0.1}, 1, "trainer.preempt_check_s"),
     ({"trainer__precision": "bf16", "trainer__device": "cpu"}, 1, "trainer.precision"),
     ({"trainer__profile": [3, 2]}, 1, "trainer.profile"),  # reversed
     ({"trainer__profile": [0, 2]}, 1, "trainer.profile"),  # steps count from 1
