@@ -8,12 +8,13 @@ against the budget. The chosen candidate is marked; those over the budget are ha
 from __future__ import annotations
 
 from pathlib import Path
-
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from typing import TYPE_CHECKING
 
 from parallel.pictures.memory import unit_for
 from parallel.units import human_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TERMS = ("compute", "bubble", "comm", "transfers")
 COLORS = ("#4c72b0", "#c44e52", "#dd8452", "#8172b3")
@@ -33,6 +34,10 @@ def candidates_figure(names: list[str], times: list[dict], peaks: list[int], fit
         skipped: candidates that could not be planned (not drawn; the title counts them).
     """
     n = len(names)
+    # Imported here: matplotlib takes most of a second to import, which every run importing this module
+    # (the launcher, plan.py) would pay without drawing.
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
     fig = Figure(figsize=(11.0, 1.2 + 0.32 * max(n, 1)), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True, width_ratios=(2.6, 1.4))
     rows = list(range(n))

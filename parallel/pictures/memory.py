@@ -6,8 +6,11 @@ parallel/planner.py): params, grads, optimizer, activations and temp at each rol
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 KINDS = ("params", "grads", "optimizer", "activations", "temp")
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
@@ -32,6 +35,9 @@ def memory_figure(labels: list[str], kinds: dict[str, list[int]], budget: int | 
     """
     totals = [sum(kinds[k][i] for k in KINDS) for i in range(len(labels))]
     scale, unit = unit_for(max(totals + [budget or 0, 1]))
+    # Imported here: matplotlib takes most of a second to import, which every run importing this module
+    # (the launcher, plan.py) would pay without drawing.
+    from matplotlib.figure import Figure
     fig = Figure(figsize=(max(6.5, 2.5 + 0.9 * len(labels)), 4.5), layout="constrained")
     ax = fig.add_subplot()
     bottom = [0.0] * len(labels)

@@ -6,18 +6,14 @@ import pytest
 from tests import cli
 
 GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16"]
-# As tests/distributed/test_moe.py has it, which shares its eager reference.
-MOE = ["model=moe", "data.task=lm", "data.seq_len=16", "model.args.dim=32", "model.args.heads=4",
-       "model.args.experts=4", "model.args.capacity_factor=1.5", "model.args.aux_coef=0.1"]
-
+# Context and expert parallelism compile too (trainer.compile under strategy=context or expert); their
+# compiled runs (~20 s each here) are left out of the suite for its time.
 CASES = {
     "single": (1, ["strategy=single"]),
     "single_recomputed": (1, ["strategy=single", "strategy.activations=checkpoint"]),
     "data_zero3": (2, ["strategy=data", "strategy.zero=3"]),
     "model": (2, ["strategy=model"]),
     "pipeline": (2, ["strategy=pipeline"]),
-    "context": (2, ["strategy=context"]),
-    "moe_expert": (2, ["strategy=expert"]),  # model=moe, ep 2
 }
 
 
@@ -34,10 +30,9 @@ def inductor_cache(shared_dir):
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_blocks_train_as_eager_single(reference, tmp_path, case):
     world, args = CASES[case]
-    model = MOE if case.startswith("moe") else GPT
-    ref = reference(cli.FAST + model)  # the eager references test_tensor_parallel's and test_moe's cases share
+    ref = reference(cli.FAST + GPT)  # the eager reference test_tensor_parallel's cases share
     compiled = tmp_path / "compiled"
-    proc = cli.run(cli.FAST + model + args + [f"nproc={world}", "trainer.compile=true", f"run_dir={compiled}"],
+    proc = cli.run(cli.FAST + GPT + args + [f"nproc={world}", "trainer.compile=true", f"run_dir={compiled}"],
                    cwd=tmp_path)
     cli.assert_same_training(compiled, ref)
     records = cli.metrics(compiled)

@@ -104,7 +104,9 @@ def test_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path, monkeypat
     proc = cli.run(args + ["+model.args.die_at=5", f"run_dir={faulty}"], cwd=tmp_path, timeout=240,
                    launcher=cli.torchrun(2) + ["--max-restarts=1"])
     out = proc.stdout + proc.stderr
-    assert "exitcode: -9" in out  # the worker was killed, not stopped
+    # The killed worker's status, or (when its peer ended first: workers leave at once, Note [ending a worker])
+    # the peer's line saying another worker failed, is what the agent reports before it restarts them.
+    assert "exitcode: -9" in out or "stopped: another worker failed" in out, out[-3000:]
     assert "restart 1 of the workers" in out and "resumed from" in out and "step-000003" in out
     assert_continues(faulty, clean, 1)
 

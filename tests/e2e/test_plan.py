@@ -17,7 +17,6 @@ HF = ["model=custom", "data.task=lm", "data.seq_len=16", "trainer.batch_size=64"
 
 # name -> (world size, overrides); the same overrides go to train.py and plan.py
 CASES = {
-    "single": (1, BIG),
     "data_zero0": (2, BIG + ["strategy=data"]),
     "data_zero3": (2, BIG + ["strategy=data", "strategy.zero=3"]),
     # Another optimizer's state (one momentum buffer per weight), sharded by ZeRO-1.
