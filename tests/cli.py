@@ -49,6 +49,15 @@ def run(args: list[str], cwd: Path, timeout: float = 180, launcher: list[str] | 
     return proc
 
 
+def run_script(script: str, args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python <script> *args` in `cwd` (launch/plan.py, launch/make_shards.py), a child of the zygote like
+    `run`'s runs (a new interpreter when this process's environment is not the zygote's); not checked."""
+    cmd, e = [sys.executable, script] + list(args), env()
+    if _zygote_env(e) == _zygote_env(_Zygote.env):
+        return _Zygote.run(script, list(args), Path(cwd), e, timeout, cmd)
+    return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
 # Variables that change in this process during the session and that nothing imported reads at import:
 # pytest's name of the current test; torch's default compile cache directory, which torch sets once it has
 # computed it (a test running train.py in this process).

@@ -1,7 +1,6 @@
 """launch/plan.py: the memory each rank will need, predicted before running, against what the run measures."""
 import json
 import subprocess
-import sys
 
 import matplotlib.image
 import pytest
@@ -48,8 +47,7 @@ CASES = {
 
 
 def plan(args: list[str], cwd, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, PLAN, *args], cwd=cwd, env=cli.env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = cli.run_script(PLAN, list(map(str, args)), cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"plan.py {args} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return proc

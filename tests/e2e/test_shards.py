@@ -117,6 +117,5 @@ def test_make_shards_bad_input(tmp_path):
                           (["features=x.npy", "targets=y.npy", "out=d"], "targets: 4 samples, where features has 5"),
                           (["features=nope.npy", "targets=y.npy", "out=d"], "features='nope.npy': cannot be read"),
                           (["size=3"], "'size=3': expected key=value")):
-        proc = subprocess.run([sys.executable, MAKE, *args], cwd=tmp_path, env=cli.env(), capture_output=True,
-                              text=True, timeout=60)
+        proc = cli.run_script(MAKE, args, cwd=tmp_path, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)

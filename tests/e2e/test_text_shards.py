@@ -11,8 +11,7 @@ MAKE = str(cli.ROOT / "launch" / "make_shards.py")
 
 
 def make_shards(args: list[str], cwd, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, MAKE, *map(str, args)], cwd=cwd, env=cli.env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = cli.run_script(MAKE, list(map(str, args)), cwd=cwd)
     assert not check or proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
