@@ -11,10 +11,10 @@ Candidates for W workers (the other strategy keys keep their defaults):
             for a causal transformer (long sequences in small batches); for a
             model with mixture-of-experts layers also expert parallelism: ep
             over W and dp x ep, with zero 0 and 3 (the plan holds each rank's
-            experts and a balanced share of the tokens; its all-to-all is not
-            counted in comm). Every candidate with a pipeline is tried with
-            m = p, 2p and 4p microbatches (p pipeline ranks) unless
-            strategy.microbatches is given.
+            experts and sends a balanced share of the tokens through the
+            real all-to-alls, Note [moe layer]). Every candidate with a
+            pipeline is tried with m = p, 2p and 4p microbatches (p pipeline
+            ranks) unless strategy.microbatches is given.
     any     a candidate (not offload) over the budget is tried again with its
             activations recomputed per block (strategy.activations=checkpoint):
             more compute for less memory, worth it only when it makes a plan fit.
@@ -34,11 +34,32 @@ a predicted step time:
                (p - 1) / (v*m) for GPipe, 1F1B and the interleaved ones (v
                stages per rank, m microbatches, p pipeline ranks)
     comm       bytes handed to collectives and sends in the step (an
-               all-reduce counted twice; DDP's bucket all-reduce added) / B,
-               the loopback bandwidth measured here (gloo on one machine)
+               all-reduce counted twice; DDP's bucket all-reduce added; an
+               all-to-all counts what leaves the rank, see below) / B, the
+               loopback bandwidth measured here (gloo on one machine)
     transfers  bytes offload moves to and from its tiers / D, the disk
                bandwidth measured here (0 when nothing goes to disk)
     step       compute (with its bubble) + comm + transfers: no overlap assumed
+
+Expert parallelism's all-to-alls are in comm as the planned step makes them
+(the balanced stand-in runs the shard's own exchange, Note [moe layer]): per
+MoE layer and step, the tokens go to their experts' ranks and come back
+(dispatch, combine) and their gradients go the same two ways in backward,
+each a rank's n x k rows of d elements of b bytes less the 1/ep of them
+that stays on the rank (its own experts' share of a balanced router):
+
+    4 x n x k x d x b x (ep - 1) / ep   plus   E x 8 x (ep - 1) / ep
+
+n the tokens the rank routes in the step (its share of the batch x the
+sequence length), k = top_k, d the model width, E the experts; the second
+term is the all-to-all of the counts (int64 per expert) before each
+dispatch. With the moe defaults under ep 2 (n = 16 x 32, k 2, d 64, fp32,
+2 layers): 1.05 MB a step. Blocks recomputed in backward run their forward's
+two again (6 x instead of 4 x). Context parallelism's exchange is counted as
+handed too: per attention layer the keys and values all-gathered in forward
+and again in backward (each counted as its cp outputs plus its input) and
+their gradients all-reduced (counted twice). plan.json gives the
+all-to-alls' part of comm_bytes as all_to_all_bytes.
 
 A simple model, stated: it ignores overlap, kernel efficiency at small sizes
 and network topology; its job is to rank plans that fit, and the table shows

@@ -15,8 +15,12 @@ empty one too: data parallelism's hooks run in every expert on every rank). In a
 meta or fake tensors) the group sizes are not known, so every expert runs on every token, weighted by a
 gate that is 0 where it was not chosen: the same values, E / top_k times the expert work. A pipeline's
 traced stages run that way (strategy=pipeline; strategy=hybrid runs the model's own blocks) and keep no
-routing figures. The planner (fake tensors, no trace) runs each expert on an even share of the tokens:
-the shapes of a balanced step.
+routing figures. The planner (fake tensors, no trace) cannot read the routing either, and plans a
+balanced step: the n x top_k choices of a rank spread evenly over the E experts, each expert run on its
+share; under expert parallelism the shard's own exchange runs at those sizes (`ExpertShard.exchange`, the
+all-to-alls of the real run, so the plan holds their buffers and counts their bytes: Note [auto] in
+parallel/auto.py). No choice is dropped, as a balanced router drops none under a capacity factor of 1 or
+more (a real router, uneven, may drop some; under 1, the plan is of a larger step than the run's).
 
 # Note [auxiliary loss]
 The load-balancing loss (Switch / GShard: E * sum_e f_e * p_e, f_e the fraction of routed choices that went
@@ -180,17 +184,24 @@ def _dense(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tensor:
 
 def _balanced(experts: nn.Module, tokens: torch.Tensor, r: Route) -> torch.Tensor:
     """The planner's stand-in for the routed computation (fake tensors: the shapes of a step, not its values):
-    each expert this rank holds runs on an even share of the choices of every rank that sends it tokens, and
-    the outputs are added back per token, as the routed path does (Note [moe layer])."""
+    a balanced router's choices, n x top_k spread evenly over the E experts, run as the routed path runs them:
+    under expert parallelism through the shard's own all-to-all exchange at those sizes (every rank routes
+    alike, so each sends this rank's experts what this rank sends them), else each expert on its share; the
+    outputs are added back per token (Note [moe layer])."""
     n, k = r.chosen.shape
-    senders = getattr(experts, "ep", 1)
-    rows = -(-n * k * senders // r.experts)  # ceil: a balanced router's choices per expert
-    pick = torch.arange(rows, device=tokens.device) % n
-    held = _held(experts)
-    ys = torch.cat([expert(tokens[pick]) for _, expert in held])
-    picks = pick.repeat(len(held))
-    ys = ys * r.weights.flatten()[picks].unsqueeze(1).to(ys.dtype)
-    return torch.zeros_like(tokens).index_add(0, picks % n, ys)
+    e = r.experts
+    share = [n * k // e + (i < n * k % e) for i in range(e)]  # a balanced router's choices per expert
+    token_of = torch.arange(n * k, device=tokens.device) % n  # a token per choice, grouped by expert
+    xs = tokens[token_of]
+    if hasattr(experts, "exchange"):  # this rank's share under expert parallelism (its ExpertShard)
+        ep, per, mine = experts.ep, experts.per, experts.rank * experts.per
+        experts.counts_in(torch.tensor(share, device=tokens.device))  # the counts' all-to-all (values unread)
+        ys = experts.exchange(xs, [sum(share[s * per:(s + 1) * per]) for s in range(ep)],
+                              [share[mine:mine + per]] * ep)
+    else:
+        ys = torch.cat([expert(chunk) for expert, chunk in zip(experts, xs.split(share))])
+    ys = ys * r.weights.flatten().unsqueeze(1).to(ys.dtype)
+    return torch.zeros_like(tokens).index_add(0, token_of, ys)
 
 
 class MoE(nn.Module):

@@ -99,20 +99,31 @@ class ExpertShard(nn.ModuleDict):
     def grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for `xs`, this rank's tokens grouped by expert (`counts` per expert), in the
         same order; every ep rank calls it together."""
+        got = self.counts_in(counts).view(self.ep, self.per).tolist()
+        return self.exchange(xs, counts.view(self.ep, self.per).sum(1).tolist(), got)
+
+    def counts_in(self, counts: torch.Tensor) -> torch.Tensor:
+        """What every ep rank sends each of this rank's experts, (ep x per) flat in (source, expert) order, from
+        what this rank sends each of the layer's experts (`counts`, E): an all-to-all of the counts."""
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)
+        return got
+
+    def exchange(self, xs: torch.Tensor, send: list[int], got: list[list[int]]) -> torch.Tensor:
+        """Send `xs` to the experts' ranks (`send[s]` rows to ep rank s, grouped by expert), run each of this
+        rank's experts on what it got (`got[s][j]` rows from rank s for expert j) and send the outputs back:
+        the outputs of `xs`, in its order. The planner calls it with a balanced step's sizes (Note [moe layer])."""
         ep, per = self.ep, self.per
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # [source, my expert]
-        send = counts.view(ep, per).sum(1).tolist()
-        got = recv_counts.view(ep, per)
-        recv = all_to_all_single_autograd(xs, got.sum(1).tolist(), send, self.group)
+        sizes = [sum(row) for row in got]
+        recv = all_to_all_single_autograd(xs, sizes, send, self.group)
         recv = _ScaleGrad.apply(recv, float(ep))
-        pieces = recv.split(got.flatten().tolist())  # (source, expert) order
+        pieces = recv.split([c for row in got for c in row])  # (source, expert) order
         outs = []
         for j, expert in enumerate(self.values()):  # every expert, on an empty batch too
             y = expert(torch.cat([pieces[s * per + j] for s in range(ep)]))
-            outs.append(_ScaleGrad.apply(y, 1.0 / ep).split(got[:, j].tolist()))
+            outs.append(_ScaleGrad.apply(y, 1.0 / ep).split([row[j] for row in got]))
         back = torch.cat([outs[j][s] for s in range(ep) for j in range(per)])
-        return all_to_all_single_autograd(back, send, got.sum(1).tolist(), self.group)
+        return all_to_all_single_autograd(back, send, sizes, self.group)
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh, zero: int) -> list[ExpertShard]:

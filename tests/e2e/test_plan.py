@@ -41,7 +41,8 @@ CASES = {
     # Hugging Face models read their positions to skip the causal mask: the plan reads them too (Note [planner]).
     "hf_llama": (1, HF + ["model._target_=tests.hf_models.llama"]),
     "hf_gpt2": (1, HF + ["model._target_=tests.hf_models.gpt2"]),
-    # Each rank holds half the experts; the plan routes a balanced share of the tokens to each (Note [moe layer]).
+    # Each rank holds half the experts; the plan sends a balanced share of the tokens to each through the
+    # all-to-alls of the real run (Note [moe layer]).
     "moe_ep2": (2, ["model=moe", "data.task=lm", "model.args.experts=8", "strategy=expert"]),
 }
 
