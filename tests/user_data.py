@@ -1,6 +1,8 @@
 """Datasets a user would write, for data=custom tests: importable by the workers (tests.user_data.<name>)."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -73,6 +75,80 @@ def stream(features: int = 8, targets: int = 2, stateful: bool = False, length: 
     return (StatefulStream if stateful else Stream)(features, targets, length)
 
 
+def sharded_sample(shard: int, epoch: int, i: int, features: int = 8, targets: int = 2) -> dict:
+    """Element i of a Sharded stream's shard in that shard's epoch."""
+    x = torch.randn(features, generator=torch.Generator().manual_seed(10_000 * shard + 100 * epoch + i))
+    return {"x": x, "y": x @ _teacher(features, targets)}
+
+
+class Sharded(IterableDataset):
+    """A stream that splits: `n_shards` shards, shard s `length + s` samples long (`sharded_sample`, by the
+    epoch `set_epoch` set); `shard(n_shards, s)` gives shard s alone, which appends "<parent pid> <pid> <s>
+    <epoch> <first element>" to the file `log` (when given) each time it is iterated. Iterated whole, it gives its shards one after
+    the other. With state_dict / load_state_dict (its position in its epoch) when `stateful`."""
+
+    def __init__(self, features: int = 8, targets: int = 2, shards: int = 4, length: int = 20,
+                 log: str | None = None, only: int | None = None):
+        self.features, self.targets, self.shards, self.length, self.log = features, targets, shards, length, log
+        self.only, self.n_shards = only, shards if only is None else 1
+        self.epoch, self.position, self.start = 0, 0, 0
+
+    def shard(self, num_shards: int, index: int) -> Sharded:
+        if num_shards != self.n_shards:
+            raise ValueError(f"splits into its {self.n_shards} shards only")
+        return type(self)(self.features, self.targets, self.shards, self.length, self.log, index)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.only is None:
+            for s in range(self.shards):
+                for i in range(self.length + s):
+                    yield sharded_sample(s, 0, i, self.features, self.targets)
+            return
+        i, self.start = self.start, 0
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{os.getppid()} {os.getpid()} {self.only} {self.epoch} {i}\n")
+        while i < self.length + self.only:
+            i += 1
+            self.position = i
+            yield sharded_sample(self.only, self.epoch, i - 1, self.features, self.targets)
+
+
+class StatefulSharded(Sharded):
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start, self.position = state["position"], state["position"]
+
+
+def sharded(features: int = 8, targets: int = 2, shards: int = 4, length: int = 20, log: str | None = None,
+            stateful: bool = False) -> Sharded:
+    return (StatefulSharded if stateful else Sharded)(features, targets, shards, length, log)
+
+
+class BadShards(Sharded):
+    """A stream whose n_shards or shard() a run cannot use (bad-input tests)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "count":
+            self.n_shards = "four"
+
+    def shard(self, num_shards: int, index: int):
+        if self.kind == "raises":
+            raise ValueError("no shard here")
+        return 4 if self.kind == "number" else super().shard(num_shards, index)
+
+
+def bad_shards(kind: str) -> BadShards:
+    return BadShards(kind)
+
+
 class Tokens(Dataset):
     """Language-model samples {'input_ids': ids, 'labels': the next ids}; states its vocabulary size."""
 
@@ -133,6 +209,20 @@ def hf_stream(n: int = 200):
     import datasets
 
     return datasets.IterableDataset.from_generator(_rows, gen_kwargs={"n": n})
+
+
+def _shard_rows(shards: list, n: int):
+    for s in shards:
+        for i in range(n):
+            x = torch.randn(8, generator=torch.Generator().manual_seed(100 * s + i))
+            yield {"x": x.tolist(), "y": (x[:2] * 2).tolist(), "shard": s}
+
+
+def hf_sharded_stream(shards: int = 4, n: int = 30):
+    """A Hugging Face datasets.IterableDataset of `shards` shards (the list in gen_kwargs), `n` rows each."""
+    import datasets
+
+    return datasets.IterableDataset.from_generator(_shard_rows, gen_kwargs={"shards": list(range(shards)), "n": n})
 
 
 def not_a_dataset(**kwargs) -> list:

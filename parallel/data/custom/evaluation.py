@@ -22,7 +22,7 @@ def build_custom_eval(cfg: DataConfig, seed: int, batch_size: int, dp_rank: int 
     if spec.get("_target_"):
         ds = build_dataset("data.eval._target_", spec["_target_"], spec.get("args") or {})
         if is_iterable(ds):
-            source = IterData(cfg, seed, batch_size, dp_rank, dp_size, dataset=ds)
+            source = IterData(cfg, seed, batch_size, dp_rank, dp_size, dataset=ds, key="data.eval._target_")
             source.num_batches = None
             return source
         indices = np.arange(len(ds))

@@ -19,6 +19,7 @@ from parallel.data.custom.dataset import (
     is_iterable,
     resolve_key,
 )
+from parallel.data.custom.split import check_split
 
 
 def _plain(value: Any) -> Any:
@@ -67,7 +68,8 @@ def read_custom_hints(d) -> dict:
         "task": task, "input_key": ik, "target_key": tk,
         "inputs": "features" if x.is_floating_point() else "tokens",
         "spec": {"input": _spec(x), "target": _spec(y), "iterable": is_iterable(ds),
-                 "samples": None if is_iterable(ds) else len(ds)},
+                 "samples": None if is_iterable(ds) else len(ds),
+                 "shards": check_split("data._target_", target, ds) if is_iterable(ds) else None},
     }
     if x.is_floating_point():
         hints["features"] = x.numel()
@@ -111,6 +113,8 @@ def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: tor
     fields = _user_batch(collate.user, sample) if collate.user else sample
     resolve_key(fields, collate.input_key, "input"), resolve_key(fields, collate.target_key, "target")
     ex, ey = _collated("data.eval._target_", target, collate, sample)
+    if is_iterable(ds):
+        check_split("data.eval._target_", target, ds)
     if _spec(ex) != _spec(x) or _spec(ey) != _spec(y):
         fail("data.eval._target_", target, f"its samples (input {_spec(ex)}, target {_spec(ey)}) differ from the "
              f"training samples' (input {_spec(x)}, target {_spec(y)})")
