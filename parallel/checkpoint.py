@@ -23,8 +23,9 @@ now, under another strategy or world size, and DCP reads the overlapping parts
 The data position is the step: the data sources are functions of (seed,
 step), so a run resumed at step k reads the batches of steps k+1.. on any
 world size (Note [shard order], Note [custom data]). A stream (an iterable
-dataset) also has a state: the source's `state_dict()`, the same on every rank,
-saved once by rank 0 as data.pt and handed to its `load_state_dict` on resume.
+dataset) also has a state: the source's `state_dict()` (the same on every rank;
+a split stream's gathers every shard's from the ranks that read them), saved
+once by rank 0 as data.pt and handed to its `load_state_dict` on resume.
 
 # Note [atomic checkpoint]
 A checkpoint is written into `step-N.partial/`; after every rank has written

@@ -17,13 +17,33 @@ continues with the batch of step k+1 whatever its world size. A torch DataLoader
 indices of each step, from the step it starts at, in `data.workers` processes (`data.prefetch` batches
 ahead each; 0 workers: in the training process), while the step trains.
 
-Iterable (iterable.py): the stream's position p belongs to step p // B + 1 and, within it, to rank
-(p mod B) // (B/d): ownership by position, so the global batch of step k is again the same on any world
-size. Each rank reads the stream in order (in one loader process, or in this process with 0 workers) and
-keeps its own positions, collating only those. A stream with `state_dict()` / `load_state_dict()` has its
-state after each step saved in checkpoints and resumes exactly there; any other is resumed by reading
-and dropping the positions of the steps before. Reaching the end starts the stream again (the next
-epoch, `set_epoch(e)` called when the dataset has it).
+Iterable (iterable.py), a stream that does not split (below): position p belongs to step p // B + 1 and,
+within it, to rank (p mod B) // (B/d): ownership by position, so the global batch of step k is again the
+same on any world size. Each rank reads the stream in order (in one loader process, or in this process with
+0 workers) and keeps its own positions, collating only those. A stream with `state_dict()` /
+`load_state_dict()` has its state after each step saved in checkpoints and resumes exactly there; any other
+is resumed by reading and dropping the positions of the steps before. Reaching the end starts the stream
+again (the next epoch, `set_epoch(e)` called when the dataset has it).
+
+Split streams (split.py): a stream with `n_shards` = S > 1 and `shard(num_shards, index)` (a Hugging Face
+datasets.IterableDataset has both; a torch IterableDataset may define them) is read in parts. Position p is
+element p // S of shard p mod S (`shard(S, p mod S)`), each shard a cycle of its own: at its end it starts
+again by itself, with its own epoch count and `set_epoch(e)` on that shard object. The order depends on
+neither the world size nor data.workers. Rank r of d owns the positions p of each step with p mod d == r
+(strided) and reads the shards s with s mod g == r mod g, g = gcd(d, S): only its own when d divides S
+(each shard read by one rank), otherwise shared with d/g - 1 other ranks, which read them too and drop what
+is not theirs (correct, not faster: a warning says so). Its loader workers take its shards in turn: the
+m-th of them goes to worker m mod W', W' the largest divisor of the rank's shard count not above
+data.workers (a log line says when W' < data.workers; 0: all in this process). Each worker yields, per
+step, its shards' samples of the rank's positions in order; the DataLoader hands the items of an
+iterable dataset's workers over in turn (worker 0, 1, ..., checked at each step), and this process puts
+the parts back into position order and collates them. A shard object is iterated whole by the one worker
+that owns it and must not split itself by `get_worker_info()` (a Hugging Face one would: it is read
+through its `iter(batch_size=1)`, which does not). A stateful stream's state is one state per shard (its
+own `state_dict()`, its element count and its epoch), taken after each step; at a checkpoint the ranks
+gather theirs so data.pt holds every shard's, and a run on any world size resumes each shard from its
+state. Without states, each shard is read from its start and the elements that the positions before the
+resume point took are dropped, by the shard's reader only.
 """
 from parallel.data.custom.dataset import Collate, build_dataset, is_iterable
 from parallel.data.custom.evaluation import build_custom_eval
