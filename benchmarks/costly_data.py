@@ -1,12 +1,13 @@
 """A map-style dataset whose samples cost real CPU time to make: the one benchmarks/dataloading.py loads through
-data=custom and through a hand-written DataLoader loop (importable by both, and by their loader processes)."""
+data=custom and through a hand-written DataLoader loop (importable by both, and by their loader processes);
+and the same samples as a stream, whole or split into shards (`--mode stream`)."""
 from __future__ import annotations
 
 import time
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 
 class Costly(Dataset):
@@ -40,3 +41,37 @@ def sample_cost_s(ds: Costly, samples: int = 200) -> float:
     for i in range(samples):
         ds[i]
     return (time.perf_counter() - t0) / samples
+
+
+class CostlyStream(IterableDataset):
+    """Costly's samples as a stream, sample p at position p, `n` a pass (a stream that does not split: every
+    rank reads it whole)."""
+
+    def __init__(self, n: int = 8192, features: int = 256, targets: int = 4, work: int = 4096, rounds: int = 8,
+                 positions: range | None = None):
+        self.samples = Costly(n, features, targets, work, rounds)
+        self.positions = range(n) if positions is None else positions
+
+    def __iter__(self):
+        for i in self.positions:
+            yield self.samples[i]
+
+
+class ShardedCostlyStream(CostlyStream):
+    """The same stream split into `n_shards` shards: shard s holds samples s, s + S, s + 2S, ..., so the split
+    order (position p: element p // S of shard p mod S) is again sample p at position p."""
+
+    def __init__(self, shards: int = 4, **kwargs):
+        super().__init__(**kwargs)
+        self.n_shards = shards
+
+    def shard(self, num_shards: int, index: int) -> CostlyStream:
+        c = self.samples
+        return CostlyStream(c.n, c.features, c.targets, c.work, c.rounds, self.positions[index::num_shards])
+
+
+def costly_stream(shards: int = 4, n: int = 8192, features: int = 256, targets: int = 4, work: int = 4096,
+                  rounds: int = 8) -> CostlyStream:
+    """The costly samples as a stream: split into `shards` shards (1: a stream without `shard`)."""
+    kwargs = {"n": n, "features": features, "targets": targets, "work": work, "rounds": rounds}
+    return ShardedCostlyStream(shards, **kwargs) if shards > 1 else CostlyStream(**kwargs)

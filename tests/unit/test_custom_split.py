@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from parallel.data import build_data
+from parallel.data import build_data, build_eval_data
 from parallel.data.custom.split import (
     ShardPlan,
     interleave,
@@ -159,3 +159,19 @@ def test_shards_a_rank_cannot_own_alone_are_said(caplog):
         build_data(cfg.data, 0, 24, 1, 3).close()
     assert "the stream's 4 shards cannot be split among 3 data-parallel ranks" in caplog.text
     assert "data.workers=3, but a rank's 4 shards are read by 2 loader processes" in caplog.text
+
+
+def test_split_eval_stream_starts_again_at_each_evaluation():
+    cfg = config("data.workers=2", "data.eval._target_=tests.user_data.sharded", "+data.eval.args.length=5",
+                 target="tests.user_data.sharded")
+    sources = [build_eval_data(cfg.data, 0, 24, r, 2) for r in range(2)]
+    try:
+        for _ in range(2):  # the second evaluation reads batches 1, 2 again
+            for i in (1, 2):
+                x = torch.empty(24, 8)
+                for r, s in enumerate(sources):
+                    x[r::2] = s.batch(i, CPU)[0]
+                torch.testing.assert_close(x, expected([i], length=5)[i], rtol=0, atol=0)
+    finally:
+        for s in sources:
+            s.close()
