@@ -232,3 +232,8 @@ def not_a_dataset(**kwargs) -> list:
 def take_first_two(samples: list) -> dict:
     """A collate function: a dict batch built from tuple samples."""
     return {"x": torch.stack([s[0] for s in samples]), "y": torch.stack([s[1] for s in samples])}
+
+
+def stack_fields(samples: list) -> dict:
+    """A collate function of dict samples: each field stacked."""
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}

@@ -11,6 +11,7 @@ from parallel.data import build_data, build_eval_data
 from parallel.data.custom.split import (
     ShardPlan,
     interleave,
+    interleave_rows,
     largest_divisor,
     locate,
     merge_states,
@@ -48,6 +49,9 @@ def test_parts_interleave_back_into_order():
     parts = [[p for p in kept if plan.reader_of(p % 8) == w] for w in range(plan.readers)]
     assert plan.readers == 4 and all(len(part) == 4 for part in parts)
     assert interleave(plan, kept, parts) == kept
+    rows = [(torch.tensor(part), torch.tensor(part) * 10) for part in parts]  # parts collated row by row
+    x, y = interleave_rows(plan, kept, rows)
+    assert x.tolist() == kept and y.tolist() == [10 * p for p in kept]
 
 
 def test_shard_states_merge_across_ranks():
@@ -89,9 +93,13 @@ def expected(steps, shards=4, length=20):
     return out
 
 
-@pytest.mark.parametrize("ranks,workers", [(1, 0), (2, 2), (3, 0)])
-def test_split_stream_global_order_on_any_world_size(ranks, workers):
-    cfg = config(f"data.workers={workers}", target="tests.user_data.sharded")
+@pytest.mark.parametrize("ranks,workers,collate", [(1, 0, None), (2, 2, None), (3, 0, None),
+                                                   (1, 4, "tests.user_data.stack_fields")])
+def test_split_stream_global_order_on_any_world_size(ranks, workers, collate):
+    """Read in this process or in loader workers whose parts come collated (default collation) or as samples
+    collated here (a user's collate function)."""
+    cfg = config(f"data.workers={workers}", f"data.collate._target_={collate or 'null'}",
+                 target="tests.user_data.sharded")
     got, _ = rank_batches(cfg, range(1, 7), ranks)  # 144 positions: every shard past its first epoch
     torch.testing.assert_close(got, expected(range(1, 7)), rtol=0, atol=0)
     resumed, sources = rank_batches(cfg, [5, 6], ranks, first=5)  # no state: each shard fast-forwarded

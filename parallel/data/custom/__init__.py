@@ -37,7 +37,9 @@ m-th of them goes to worker m mod W', W' the largest divisor of the rank's shard
 data.workers (a log line says when W' < data.workers; 0: all in this process). Each worker yields, per
 step, its shards' samples of the rank's positions in order; the DataLoader hands the items of an
 iterable dataset's workers over in turn (worker 0, 1, ..., checked at each step), and this process puts
-the parts back into position order and collates them. A shard object is iterated whole by the one worker
+the parts back into position order: each worker collates its part and the rows are interleaved (torch's
+default collation stacks samples; one shared tensor per sample would cost more than the samples), or,
+with data.collate, the samples come as they are and are collated here. A shard object is iterated whole by the one worker
 that owns it and must not split itself by `get_worker_info()` (a Hugging Face one would: it is read
 through its `iter(batch_size=1)`, which does not). A stateful stream's state is one state per shard (its
 own `state_dict()`, its element count and its epoch), taken after each step; at a checkpoint the ranks

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from parallel.config import DataConfig
 from parallel.data.custom.dataset import Collate, build_dataset, collate_of
 from parallel.data.custom.loader import _Reader
-from parallel.data.custom.split import Parts, ShardPlan, interleave, merge_states, shard_count
+from parallel.data.custom.split import Parts, ShardPlan, interleave, interleave_rows, merge_states, shard_count
 
 log = logging.getLogger("parallel")
 
@@ -117,7 +117,10 @@ class IterData(_Reader):
         """The batches of a split stream from `step` on: each reader's part of each step, put in order."""
         plan, B = self.plan, self.batch_size
         resume = self._resume.get(step - 1) or {}
-        parts = Parts(self.dataset, plan, B, step, resume.get("shards"))
+        # The readers collate their parts when the batch is theirs alone, or its rows can be put back in order
+        # (torch's default_collate stacks samples); a user's collate function gets the samples in order here.
+        rows = plan.readers == 1 or self.collate.user is None
+        parts = Parts(self.dataset, plan, B, step, resume.get("shards"), self.collate if rows else None)
         workers = plan.readers if self.cfg.workers else 0
         it = iter(DataLoader(parts, batch_size=None, collate_fn=_as_is, in_order=True,
                              **self._options(workers, device)))
@@ -127,10 +130,14 @@ class IterData(_Reader):
             got = [next(it) for _ in range(plan.readers)]
             if [g[0] for g in got] != list(range(plan.readers)):
                 raise RuntimeError(f"data: the loader's parts came from workers {[g[0] for g in got]}, not in turn")
-            samples = interleave(plan, plan.kept((step - 1) * B, step * B), [g[1] for g in got])
+            kept = plan.kept((step - 1) * B, step * B)
+            if plan.readers == 1:
+                x, y = got[0][1]
+            else:
+                x, y = interleave_rows(plan, kept, [g[1] for g in got]) if rows else \
+                    self.collate(interleave(plan, kept, [g[1] for g in got]))
             shards = {s: st for g in got if g[2] is not None for s, st in g[2].items()}
-            state = {"position": step * B, "shards": shards} if got[0][2] is not None else None
-            yield (*self.collate(samples), state)
+            yield x, y, {"position": step * B, "shards": shards} if got[0][2] is not None else None
             step += 1
 
     def batch(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

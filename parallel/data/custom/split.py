@@ -7,8 +7,9 @@ import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from parallel.config import error_text, fail
@@ -110,6 +111,16 @@ def interleave(plan: ShardPlan, kept: list[int], parts: list[list]) -> list:
     return [next(each[plan.reader_of(p % plan.shards)]) for p in kept]
 
 
+def interleave_rows(plan: ShardPlan, kept: list[int], parts: list[tuple[torch.Tensor, ...]]) -> tuple:
+    """`interleave` for parts collated row by row (each reader's (inputs, targets), a row a sample)."""
+    offsets, order = 0, []
+    for part in parts:
+        order.append(range(offsets, offsets + len(part[0])))
+        offsets += len(part[0])
+    index = torch.tensor(interleave(plan, kept, order), dtype=torch.long)
+    return tuple(torch.cat([part[i] for part in parts])[index] for i in range(len(parts[0])))
+
+
 def merge_states(per_rank: list[dict]) -> dict:
     """The states of every shard after each step, from each rank's states of its own shards ({step:
     {"position", "shards": {shard: state}}}); only steps every rank knew, with all shards, are kept."""
@@ -184,13 +195,17 @@ class ShardCycle:
 class Parts(IterableDataset):
     """One reader's part of this rank's samples of each step from `first` on: (reader, samples in position
     order, its shards' states after the step or None). Reader w is loader worker w (or this process).
+    With `collate`, the part comes collated (sending a few batched tensors from a loader process costs far
+    less than one shared tensor per sample).
 
     Each of the reader's shards starts at its state after step `first - 1` (`states`, a checkpoint's), or is
     read from its start and its elements before that step dropped (only its reader reads them).
     """
 
-    def __init__(self, dataset: Any, plan: ShardPlan, batch_size: int, first: int, states: dict | None):
+    def __init__(self, dataset: Any, plan: ShardPlan, batch_size: int, first: int, states: dict | None,
+                 collate: Callable | None = None):
         self.dataset, self.plan, self.batch_size, self.first, self.states = dataset, plan, batch_size, first, states
+        self.collate = collate
 
     def _open(self, reader: int) -> dict[int, ShardCycle]:
         plan, begin = self.plan, (self.first - 1) * self.batch_size
@@ -218,5 +233,6 @@ class Parts(IterableDataset):
                     sample = cycle.next()
                     if p % plan.ranks == plan.rank:
                         part.append(sample)
-            yield reader, part, {s: c.state() for s, c in cycles.items()} if stateful else None
+            yield (reader, part if self.collate is None else self.collate(part),
+                   {s: c.state() for s, c in cycles.items()} if stateful else None)
             step += 1
