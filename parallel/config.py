@@ -194,7 +194,8 @@ class DataConfig:
     eval: Dict[str, Any] = field(default_factory=dict)
     eval_fraction: float = 0.0
     # Set before the workers start from the first sample of data=custom (not a user setting): {input:
-    # {dtype, shape}, target: {dtype, shape}} of one sample, iterable, samples (the count; None: a stream).
+    # {dtype, shape}, target: {dtype, shape}} of one sample, iterable, samples (the count; None: a stream),
+    # shards (a stream's shard count, 1: read whole; None: map-style).
     spec: Dict[str, Any] = field(default_factory=dict)
 
 
