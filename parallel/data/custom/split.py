@@ -7,6 +7,7 @@ import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -74,7 +75,7 @@ class ShardPlan:
         """Whether each shard is read by one rank only."""
         return self.group == self.ranks
 
-    @property
+    @cached_property
     def mine(self) -> list[int]:
         """The shards this rank reads, in order."""
         return [s for s in range(self.shards) if s % self.group == self.rank % self.group]
@@ -87,8 +88,12 @@ class ShardPlan:
     def worker_shards(self, worker: int) -> list[int]:
         return self.mine[worker::self.readers]
 
+    @cached_property
+    def _readers_of(self) -> dict[int, int]:
+        return {s: m % self.readers for m, s in enumerate(self.mine)}
+
     def reader_of(self, shard: int) -> int:
-        return self.mine.index(shard) % self.readers
+        return self._readers_of[shard]
 
     def kept(self, begin: int, end: int) -> list[int]:
         """This rank's positions among begin..end-1."""
@@ -123,7 +128,7 @@ def interleave_rows(plan: ShardPlan, kept: list[int], parts: list[tuple[torch.Te
 
 def merge_states(per_rank: list[dict]) -> dict:
     """The states of every shard after each step, from each rank's states of its own shards ({step:
-    {"position", "shards": {shard: state}}}); only steps every rank knew, with all shards, are kept."""
+    {"position", "shards": {shard: state}}}); only the steps every rank knew are kept."""
     merged: dict[int, dict] = {}
     for states in per_rank:
         for step, state in states.items():
