@@ -101,6 +101,25 @@ def bare(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2
     return Bare(vocab_size, seq_len, dim, layers)
 
 
+class Wrapped(nn.Module):
+    """A model kept one level down, as Hugging Face keeps its decoder under `model.`: its blocks are nested
+    (`inner.blocks.N`, Note [nested blocks] in parallel/blocks.py)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def wrapped(model: str, **kwargs) -> nn.Module:
+    """`model` (a factory of this file, or a built-in model's name) inside a `Wrapped`."""
+    from parallel.models import MODELS
+
+    return Wrapped(globals()[model](**kwargs) if model in globals() else MODELS[model](**kwargs))
+
+
 def hidden_states_only(vocab_size: int = 64, seq_len: int = 16, dim: int = 32):
     """A Hugging Face base model: its output holds hidden states, no logits (a bad input for training)."""
     return llama(vocab_size, seq_len, dim).model

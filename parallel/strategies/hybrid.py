@@ -7,7 +7,9 @@ working on what the one before left:
   1. pipeline split (pp > 1): the model is traced and cut into stages; this
      rank keeps its stages. The traced blocks are swapped back for the model's
      own modules (`eager_blocks`, parallel/strategies/pipeline/stages.py), so
-     the next steps see real nn.Linear layers and the model's own forward code.
+     the next steps see real nn.Linear layers and the model's own forward code;
+     nested blocks (Hugging Face models) stay traced, which steps 3 and 4 take
+     as they are and steps 2 and 2b refuse (Note [own or traced blocks]).
   2. tensor plan (tp > 1): each kept module's layers are split over the tp
      ranks by the plan (parallel.strategies.tensor); a stage takes the entries
      for its own layers.

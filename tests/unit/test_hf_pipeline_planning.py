@@ -48,6 +48,7 @@ def _cfg(factory: str, strategy: dict, **args) -> Config:
     cfg.strategy.name = strategy.pop("name", "pipeline")
     cfg.model.name, cfg.model._target_, cfg.model.args = "custom", f"tests.hf_models.{factory}", args
     cfg.data.task, cfg.data.seq_len, cfg.trainer.batch_size = "lm", 16, 8
+    cfg.trainer.compile = strategy.pop("compile", False)
     for k, v in strategy.items():
         setattr(cfg.strategy, k, v)
     return cfg
@@ -58,11 +59,36 @@ BAD = [
     ({}, {"output_hidden_states": True}, r"strategy=pipeline: the model must return one tensor \(its logits\), not"),
     ({"schedule": "Interleaved1F1B", "stages_per_rank": 4, "microbatches": 8}, {"layers": 1},
      r"strategy.pp=2 x stages_per_rank=4: 8 stages, but LlamaForCausalLM has only 5 blocks"),
-    ({"name": "hybrid", "pp": 2, "tp": 1, "dp": 1}, {}, r"strategy='hybrid'.*sit inside other modules"),
+    ({"compile": True}, {}, r"trainer.compile=True: compiles the model's own blocks; LlamaForCausalLM's blocks "
+                            r"sit inside other modules \(model.layers.0, model.layers.1, ...\).*trainer.compile=false"),
 ]
 
 
-@pytest.mark.parametrize("strategy,args,message", BAD, ids=["integers", "outputs", "blocks", "hybrid"])
+@pytest.mark.parametrize("strategy,args,message", BAD, ids=["integers", "outputs", "blocks", "compile"])
 def test_what_cannot_be_pipelined_is_a_config_error(strategy, args, message):
     with pytest.raises(ConfigError, match=message):
         validate(_cfg("llama", dict(strategy), **args), world_size=2)
+
+
+# Nested blocks run traced in hybrid's stages (Note [own or traced blocks]): what needs the model's own block
+# code is refused, on 4 ranks; dp x pp is not (tests/distributed/test_hf_pipeline.py trains it).
+TRACED = [
+    ("llama", {"pp": 2, "tp": 2}, {}, r"strategy.tp=2: tensor parallelism shards the model's own layers; "
+     r"LlamaForCausalLM's blocks sit inside other modules \(model.layers.0.*strategy.tp=1 \(dp x pp\)"),
+    ("llama", {"dp": 2, "pp": 2, "compile": True}, {}, r"trainer.compile=True: .*\(model.layers.0"),
+    ("llama", {"pp": 2, "cp": 2}, {}, r"strategy.cp=2: context parallelism composes with pipeline parallelism "
+     r"for the built-in gpt so far"),
+    ("wrapped", {"pp": 2, "ep": 2}, {"model": "moe"}, r"strategy.ep=2: expert parallelism places the model's own "
+     r"expert modules; Wrapped's blocks sit inside other modules \(inner.blocks.0.*strategy.ep=1"),
+    ("wrapped", {"dp": 2, "pp": 2, "sync_batchnorm": True}, {"model": "batchnorm_cnn"},
+     r"strategy.sync_batchnorm=True: swaps the model's own BatchNorm layers; Wrapped's blocks sit inside"),
+]
+
+
+@pytest.mark.parametrize("factory,strategy,args,message", TRACED, ids=["tp", "compile", "cp", "ep", "sync_bn"])
+def test_hybrid_stages_of_nested_blocks_refuse_what_needs_the_models_own_blocks(factory, strategy, args, message):
+    cfg = _cfg(factory, {"name": "hybrid", "dp": 1, **strategy}, **args)
+    if args.get("model") == "batchnorm_cnn":
+        cfg.data.task, cfg.data.features = "classification", 64
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world_size=4)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallel.blocks import nested
+from parallel.blocks import nested, repeated_blocks
 from parallel.config import Config, fail, positive
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import schedules
@@ -38,9 +38,28 @@ def check_split(model: nn.Module, cfg: Config) -> None:
     """
     split = plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False), trace_split=False)
     inner = [n for n in split.blocks if nested(model, n)]
-    if cfg.strategy.name == "hybrid" and inner:
-        # Hybrid stages swap the model's own blocks in for the traced ones (stages.eager_blocks): a nested
-        # block's traced call passes what the trace found it needs, in the trace's order, not its signature.
-        fail("strategy", "hybrid", f"tensor- and data-parallel pipeline stages take blocks the model's forward "
-             f"calls itself; {type(model).__name__}'s sit inside other modules ({', '.join(inner[:3])}, ...)",
-             "strategy=pipeline, or strategy=hybrid with strategy.pp=1")
+    if inner:
+        _check_traced_blocks(model, cfg, inner)
+
+
+def _check_traced_blocks(model: nn.Module, cfg: Config, inner: list[str]) -> None:
+    """Nested blocks stay traced in their stages (Note [own or traced blocks] in stages.py): what needs the
+    model's own block code is refused, naming what works instead."""
+    shown = [n for n in inner if n in repeated_blocks(model)][:2] or inner[:2]
+    s, where = cfg.strategy, f"{type(model).__name__}'s blocks sit inside other modules ({', '.join(shown)}, ...)"
+    why = (f"{where}, so its pipeline stages run the blocks as traced and cannot take the model's own block code "
+           "(Note [own or traced blocks])")
+    if cfg.trainer.compile:
+        fail("trainer.compile", True, f"compiles the model's own blocks; {why}",
+             ["trainer.compile=false", "strategy.pp=1"])
+    if s.name != "hybrid":
+        return
+    if s.tp > 1:
+        fail("strategy.tp", s.tp, f"tensor parallelism shards the model's own layers; {why}",
+             ["strategy.tp=1 (dp x pp)", "strategy.pp=1 (dp x tp)"])
+    if s.ep > 1:
+        fail("strategy.ep", s.ep, f"expert parallelism places the model's own expert modules; {why}",
+             ["strategy.ep=1", "strategy.pp=1"])
+    if s.sync_batchnorm:
+        fail("strategy.sync_batchnorm", True, f"swaps the model's own BatchNorm layers; {why}",
+             ["strategy.sync_batchnorm=false", "strategy.pp=1"])

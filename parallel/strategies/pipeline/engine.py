@@ -29,7 +29,7 @@ from parallel.strategies.compile import compiling
 from parallel.strategies.expert import clip_with_experts
 from parallel.strategies.pipeline import schedules
 from parallel.strategies.pipeline.split import Split, format_split, microbatches, plan_split
-from parallel.strategies.pipeline.stages import ComputeTime, TiedCopy, TimedStage, build_stages
+from parallel.strategies.pipeline.stages import ComputeTime, TiedCopy, TimedStage, build_stages, own_blocks
 from parallel.strategies.pipeline.timeline import Timeline
 from parallel.tensors import local
 from parallel.torch_patches import forward_only_actions
@@ -41,7 +41,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
 
     Args:
         transform: `(stage, blocks) -> None`, applied to each of this rank's
-            stages (on meta, the model's own block modules swapped in) before
+            stages (on meta, the model's own block modules swapped in, or the
+            traced ones for nested blocks: Note [own or traced blocks] in stages.py) before
             it is materialized: how strategy=hybrid adds tensor and data
             parallelism. None keeps the traced stages as they are.
         shape_transform: `stage -> None`, the part of `transform` that changes
@@ -56,9 +57,9 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
     log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
              format_split(split))
     compute_time = ComputeTime()
-    stages, modules, tied = build_stages(split, mesh, cfg, runtime, plan, compute_time,
-                                         model if transform or compiling(cfg, runtime) else None, transform,
-                                         shape_transform)
+    swap = (transform or compiling(cfg, runtime)) and own_blocks(model, split.blocks)  # Note [own or traced blocks]
+    stages, modules, tied = build_stages(split, mesh, cfg, runtime, plan, compute_time, model if swap else None,
+                                         transform, shape_transform)
     groups: dict[str, list[str]] = {}
     for name, entry in plan.items():
         groups.setdefault(entry.canonical, []).append(name)

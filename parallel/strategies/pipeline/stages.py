@@ -2,9 +2,27 @@
 
 Each stage module is one piece of the chain (Note [stage chain] in chain.py),
 so it keeps the original parameter names. With a `transform` (strategy=hybrid)
-the model's own block modules are swapped back in first, so tensor and data
-parallelism see real layers. Weights tied across stages live as one copy per
-stage (`TiedCopy`); the engine sums their gradients.
+the model's own block modules are swapped back in first where they can be
+(Note [own or traced blocks]), so tensor and data parallelism see real layers.
+Weights tied across stages live as one copy per stage (`TiedCopy`); the engine
+sums their gradients.
+
+# Note [own or traced blocks]
+A traced stage calls each block as a submodule, passing the values the trace
+found the block reads, flattened, in the trace's order. For a top-level block
+(the built-in models: `blocks.N`) those are the arguments the model's forward
+gave it, so the model's own module is a drop-in replacement, and it is swapped
+in (`eager_blocks`): tensor parallel styles shard its nn.Linear layers, context
+parallelism points its attention at the cp ranks, torch.compile compiles its
+code. A nested block (a Hugging Face `model.layers.N`, Note [nested blocks] in
+parallel/blocks.py) is called by its parent with keyword arguments, caches and
+rotary embeddings the trace has flattened away: its own forward would not take
+the traced call. Such stages keep their traced blocks (`traced_blocks`), which
+compute exactly what the model's would: data parallelism (FSDP2 units per
+block, then the stage) and recomputation need only module boundaries and
+parameters, which the traced blocks keep under the original names. What needs
+the model's own block code (tp, ep, cp, trainer.compile, sync_batchnorm's
+BatchNorm layers) is refused for nested blocks with pp > 1 (check.py).
 """
 from __future__ import annotations
 
@@ -18,7 +36,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from parallel.blocks import repeated_blocks
+from parallel.blocks import nested, repeated_blocks
 from parallel.config import Config, ConfigError
 from parallel.dims import batch_mesh
 from parallel.init import InitPlan, materialize_and_init
@@ -103,8 +121,9 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
     """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
 
     With `model` (strategy=hybrid, or trainer.compile), each stage gets the model's
-    own block modules in place of the traced ones, then `transform(stage, blocks)`.
-    Every stage times its compute into `compute_time`.
+    own block modules in place of the traced ones (Note [own or traced blocks]),
+    then `transform(stage, blocks)`; without it, `transform` is given the traced
+    blocks. Every stage times its compute into `compute_time`.
     """
     s, device = cfg.strategy, runtime.device
     pp_mesh = mesh["pp"]
@@ -135,13 +154,14 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
 def _prepare(mod: fx.GraphModule, split: Split, cfg: Config, runtime: Runtime, model: nn.Module | None,
              transform) -> None:
     """One stage of the chain made ready to materialize: unused blocks dropped, run as generated code, on this
-    rank's device; with `model`, the model's own blocks swapped in; recomputation, `transform` and compilation
-    applied in that order (Note [regional compilation] in parallel/strategies/compile.py)."""
+    rank's device; with `model`, the model's own blocks swapped in (else the traced ones kept, Note [own or
+    traced blocks]); recomputation, `transform` and compilation applied in that order (Note [regional
+    compilation] in parallel/strategies/compile.py)."""
     _drop_unused(mod, split.blocks)
     _mark_transient(mod, split.transient)
     compiled(mod)
     retarget(mod, runtime.device)
-    blocks = eager_blocks(mod, model, split.blocks) if model is not None else None
+    blocks = eager_blocks(mod, model, split.blocks) if model is not None else traced_blocks(mod, split.blocks)
     called = used_names(mod, ("call_module",))
     if recomputing(cfg):  # before the transform's FSDP units wrap the blocks
         recompute_blocks(mod, [n for n in split.blocks if n in called])
@@ -166,6 +186,18 @@ def _static_shapes(split: Split, chained: list[fx.GraphModule], mesh: DeviceMesh
             eager_blocks(gm, model, split.blocks)
             shape_transform(gm)
     return stage_shapes(shaped, example_microbatch(cfg, batch_mesh(mesh).size()))
+
+
+def own_blocks(model: nn.Module, names: list[str]) -> bool:
+    """Whether the model's own modules can stand in for the traced blocks `names`: none is nested (Note [own or
+    traced blocks])."""
+    return not any(nested(model, n) for n in names)
+
+
+def traced_blocks(stage: fx.GraphModule, names: list[str]) -> list[nn.Module]:
+    """The traced blocks among `names` that `stage` calls, in order (Note [own or traced blocks])."""
+    called = used_names(stage, ("call_module",))
+    return [stage.get_submodule(n) for n in names if n in called]
 
 
 def eager_blocks(stage: fx.GraphModule, model: nn.Module, names: list[str]) -> list[nn.Module]:
