@@ -89,12 +89,13 @@ def _plain_meta(t):
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, tuple]]:
+def candidates(model: nn.Module, example: tuple, named: dict | None = None) -> tuple[list[str], dict[str, tuple]]:
     """Candidate block names in forward order, and each one's example (args, kwargs) on meta.
 
     Args:
         model: the unpartitioned model on the meta device.
         example: the positional inputs of one microbatch (meta tensors).
+        named: inputs by name besides them (context parallelism's `position_ids`).
     """
     order, inputs, handles = [], {}, []
     for name in block_names(model):
@@ -104,7 +105,7 @@ def candidates(model: nn.Module, example: tuple) -> tuple[list[str], dict[str, t
                 inputs[name] = tree_map(_plain_meta, (args, kwargs))
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        meta_forward(model, *example)
+        meta_forward(model, *example, **(named or {}))
     finally:
         for h in handles:
             h.remove()

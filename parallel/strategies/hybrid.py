@@ -8,17 +8,18 @@ working on what the one before left:
      rank keeps its stages. The traced blocks are swapped back for the model's
      own modules (`eager_blocks`, parallel/strategies/pipeline/stages.py), so
      the next steps see real nn.Linear layers and the model's own forward code;
-     nested blocks (Hugging Face models) stay traced, which steps 3 and 4 take
-     as they are and steps 2 and 2b refuse (Note [own or traced blocks]).
+     nested blocks (Hugging Face models) stay traced, which steps 2b, 3 and 4
+     take as they are and step 2 refuses (Note [own or traced blocks]).
   2. tensor plan (tp > 1): each kept module's layers are split over the tp
      ranks by the plan (parallel.strategies.tensor); a stage takes the entries
      for its own layers.
   2b. context plan (cp > 1): attention over the cp ranks, and the engine cuts
      each batch to this rank's chunks of every sequence
      (parallel.strategies.context); it changes no weights. With a pipeline,
-     each stage's own blocks take the cp attention and the first stage is
-     traced on the chunks with their positions as an input (Note [context
-     parallelism under the pipeline] in parallel/strategies/context).
+     each stage's blocks take the cp attention (the model's own, or in the
+     traced graphs of a Hugging Face model's) and the first stage is traced on
+     the chunks with their positions as an input (Note [context parallelism
+     under the pipeline] in parallel/strategies/context).
   3. data parallelism (dp x ep x cp > 1): FSDP2 over the dense weights'
      data-parallel ranks (dp x ep x cp flattened), composed with the
      tensor-parallel DTensors as PyTorch recommends: one unit per block, then
@@ -50,7 +51,8 @@ from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
 from parallel.runtime import Runtime
 from parallel.strategies.compile import compile_model
-from parallel.strategies.context import apply_context, point_attention, sequence_shard
+from parallel.strategies.context import apply_context, point_stage_attention, sequence_shard
+from parallel.strategies.context.traced import traceable_attention
 from parallel.strategies.data import blocks_of
 from parallel.strategies.expert import expert_engine, shard_experts
 from parallel.strategies.pipeline import build_pipeline
@@ -85,8 +87,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     tp_plan = tensor_plan(model, cfg) if s.tp > 1 else {}
 
     def pieces(module: nn.Module, blocks: list[nn.Module]) -> None:  # steps 2 and 3, on one module
-        if s.pp > 1 and sequence is not None:  # a stage's own blocks: their attention over the cp ranks
-            point_attention(module, sequence)
+        if s.pp > 1 and sequence is not None:  # a stage's blocks: their attention over the cp ranks
+            point_stage_attention(module, sequence, model)
         if s.tp > 1:
             shard(module, mesh, tp_plan)
         if s.ep > 1:  # before the blocks' data-parallel units, which leave the experts' own units out
@@ -102,6 +104,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
 
     if s.pp > 1:
         sequence = sequence_shard(mesh)  # Note [context parallelism under the pipeline]
+        if sequence is not None:
+            traceable_attention(model)  # before the trace (Note [traced attention over the cp ranks])
         tp_shapes = (lambda module: shard(module, mesh, tp_plan)) if s.tp > 1 else None  # noqa: E731
         return build_pipeline(model, mesh, cfg, runtime, plan, transform=pieces, shape_transform=tp_shapes,
                               sequence=sequence)

@@ -1,4 +1,5 @@
-"""Context parallelism (strategy=context, strategy.cp in hybrid) trains to the same numbers as strategy=single,
+"""Context parallelism (strategy=context, strategy.cp in hybrid) trains to the same numbers as strategy=single
+(a Hugging Face Llama: as the user's own loop, alone and under a pipeline),
 and its attention over the cp ranks is exact (Note [context parallelism] in parallel/strategies/context)."""
 import pytest
 import torch
@@ -91,6 +92,16 @@ def test_llama_cp2_is_the_users_own_loop(tmp_path):
     """A Hugging Face Llama (rotary positions, grouped-query attention) through transformers' attention interface,
     each sequence split over 2 ranks: the user's own loop on one process."""
     cli.run(args("llama") + ["nproc=2", "strategy=context", f"run_dir={tmp_path}"], cwd=tmp_path)
+    assert_as_plain(tmp_path, "llama")
+
+
+@pytest.mark.timeout(240)
+def test_llama_pp2_cp2_is_the_users_own_loop(tmp_path):
+    """The same Llama in a pipeline of 2 stages, each sequence split over 2 ranks: the stages are traced on the
+    chunks with their positions (rotary embeddings) as an input, and the attention ops in their traced blocks run
+    over the cp ranks (Note [traced attention over the cp ranks])."""
+    cli.run(args("llama") + ["nproc=4", "strategy=hybrid", "strategy.pp=2", "strategy.cp=2", f"run_dir={tmp_path}"],
+            cwd=tmp_path, timeout=200)
     assert_as_plain(tmp_path, "llama")
 
 

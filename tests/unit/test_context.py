@@ -7,6 +7,7 @@ from parallel.config import Config, ConfigError
 from parallel.strategies.context import attention_path
 from parallel.strategies.context.attention import SequenceShard
 from parallel.strategies.context.cuda import TorchSequenceShard
+from parallel.strategies.context.traced import TracedAttention
 from parallel.validate import validate
 
 GPT = {"model__name": "gpt", "model__args": {"vocab_size": 64, "seq_len": 16, "dim": 16, "heads": 2, "layers": 1},
@@ -69,6 +70,21 @@ def test_what_torchs_ring_attention_does_not_take_is_a_config_error(changes, mes
     assert str(info.value).startswith(message), str(info.value)
 
 
+def test_traced_attention_takes_sdpas_arguments():
+    """Note [traced attention over the cp ranks]: a traced sdpa call's arguments, grouped-query keys and values
+    repeated for `enable_gqa`, the model's own mask left to the cp layout's causal attention."""
+    class Whole:  # the attention of one rank holding the whole sequence
+        def attend(self, q, k, v, scale=None):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 6, 4, generator=g) for heads in (4, 2, 2))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.3, enable_gqa=True)
+    got = TracedAttention(Whole())(q, k, v, mask, 0.0, False, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(got, want)
+
+
 def test_gpt_with_cp_passes():
     validate(cfg_with(**GPT, strategy__name="context"), 4)
     validate(cfg_with(**GPT, strategy__name="hybrid", strategy__dp=2, strategy__cp=2), 4)
@@ -81,9 +97,11 @@ BAD = [
      "strategy.cp=2: context parallelism splits causal self-attention, and MLP has none"),
     ({"data__task": "classification", "data__inputs": "tokens"}, 2, "strategy.cp=2: context parallelism splits "
      "sequences with a target per token"),
+    # gpt's attention in a model of the user's, whose forward takes no positions
     ({"strategy__name": "hybrid", "strategy__cp": 2, "strategy__pp": 2, "model__name": "custom",
-      "model___target_": "tests.hf_models.gpt2", "model__args": {}}, 4,
-     "strategy.cp=2: context parallelism composes with pipeline parallelism for the built-in gpt so far"),
+      "model___target_": "tests.hf_models.wrapped", "model__args": {"model": "gpt", **GPT["model__args"]}}, 4,
+     "strategy.cp=2: context parallelism composes with pipeline parallelism for the built-in gpt and Hugging Face "
+     "causal LMs; Wrapped's pipeline stages would need positions as a traced input"),
     ({"strategy__cp": 3}, 4, "strategy.cp=3: the degrees must multiply to the world size: dp 1 x ep 1 x pp 1 x cp 3 "
      "x tp 1 = 3 != world size 4"),
     ({"strategy__name": "hybrid", "strategy__dp": 2, "strategy__cp": 2, "strategy__tp": 2, "strategy__pp": 1}, 4,

@@ -16,17 +16,21 @@ attention (Note [context parallelism on CUDA] in cuda.py), elsewhere the exchang
 kernels and gloo (Note [context parallelism] in attention.py). Both hand rank r chunks r and 2cp-1-r.
 
 # Note [context parallelism under the pipeline]
-strategy=hybrid with pp > 1 and cp > 1 (the built-in gpt). The pipeline traces the model with torch.export
-(Note [tracing for the pipeline]), which could not trace the cp exchange (collectives inside an
-autograd.Function) and would bake the first stage's `arange(T)` positions into its graph. Neither reaches
-the trace: the model is traced on one rank's share of a microbatch, tokens (b, T / cp) with `position_ids`
-(b, T / cp) as a second input (`example_microbatch`), so every stage's graph and the shapes crossing stages
-are those of the rank's chunks, and the positions come from the engine at run time. Attention is traced as
-the model's plain attention; it runs inside the blocks, which strategy=hybrid swaps back for the model's own
-modules before building the stages (`eager_blocks`), and those take the cp attention (`point_attention`).
-The engine cuts inputs and targets to the rank's chunks and hands the positions one row per sample, so the
-schedule splits them into microbatches with the tokens. The loss count and the gradient average span
-dp x ep x cp as without the pipeline.
+strategy=hybrid with pp > 1 and cp > 1 (the built-in gpt, Hugging Face causal LMs). The pipeline traces the
+model with torch.export (Note [tracing for the pipeline]), which could not trace the cp exchange
+(collectives inside an autograd.Function) and would bake the first stage's `arange(T)` positions into its
+graph. Neither reaches the trace: the model is traced on one rank's share of a microbatch, tokens
+(b, T / cp) with `position_ids` (b, T / cp) as a second input (`example_microbatch`, given by name:
+`by_name` in pipeline/trace.py), so every stage's graph and the shapes crossing stages are those of the
+rank's chunks, and the positions (learned ones in gpt, rotary ones in Hugging Face models) come from the
+engine at run time. Attention is traced as the model's plain attention. The built-in gpt's runs inside its
+blocks, which strategy=hybrid swaps back for the model's own modules before building the stages
+(`eager_blocks`), and those take the cp attention (`point_attention`); a Hugging Face model's blocks stay
+traced (Note [own or traced blocks] in pipeline/stages.py), and their attention ops are replaced by the cp
+attention in the graphs (Note [traced attention over the cp ranks] in traced.py). The engine cuts inputs and
+targets to the rank's chunks and hands the positions one row per sample, so the schedule splits them into
+microbatches with the tokens. The loss count and the gradient average span dp x ep x cp as without the
+pipeline.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import Config, cuda_run, fail
 from parallel.strategies.context.attention import SequenceShard
+from parallel.strategies.context.traced import point_traced_attention
 
 HF_NAME = "context_parallel"  # the name the cp attention is registered under with transformers
 
@@ -96,6 +101,15 @@ def point_attention(module: nn.Module, shard: SequenceShard) -> None:
     in place."""
     for attention in attention_modules(module):
         attention.attend = shard.attend
+
+
+def point_stage_attention(stage: nn.Module, shard: SequenceShard, model: nn.Module) -> None:
+    """Point a pipeline stage's attention at the cp ranks, in place (Note [context parallelism under the
+    pipeline]): the built-in gpt's own blocks take it as their `attend`, the traced attention of a Hugging
+    Face model's blocks is replaced in their graphs (every attention module of `model` the stage holds)."""
+    point_attention(stage, shard)
+    hf = {id(m) for m in _hf_attention_modules(model) or ()}
+    point_traced_attention(stage, shard, [name for name, m in model.named_modules() if id(m) in hf])
 
 
 def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
@@ -159,10 +173,11 @@ def check_context(cfg: Config, model: nn.Module) -> None:
         _check_cuda(cfg)
     from parallel.models.gpt import GPT
 
-    if s.pp > 1 and not isinstance(model, GPT):  # its forward takes (tokens, position_ids)
-        fail(key, s.cp, f"context parallelism composes with pipeline parallelism for the built-in gpt so far; "
-             f"{type(model).__name__}'s pipeline stages would need positions as a traced input (Note [context "
-             "parallelism under the pipeline])", ["strategy.pp=1", "model=gpt", "1"])
+    if s.pp > 1 and not isinstance(model, GPT) and not _hf_attention_modules(model):  # forward(tokens, position_ids)
+        fail(key, s.cp, f"context parallelism composes with pipeline parallelism for the built-in gpt and Hugging "
+             f"Face causal LMs; {type(model).__name__}'s pipeline stages would need positions as a traced input "
+             "(Note [context parallelism under the pipeline])",
+             ["strategy.pp=1", "model=gpt", "a Hugging Face causal LM", "1"])
     if s.sequence_parallel:
         fail("strategy.sequence_parallel", True, "does not compose with context parallelism yet (strategy.cp="
              f"{s.cp})", [False])

@@ -20,7 +20,7 @@ from parallel.optim import state_per_weight
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import partition, schedules
 from parallel.strategies.pipeline.chain import chain, stage_shapes
-from parallel.strategies.pipeline.trace import trace, untraceable
+from parallel.strategies.pipeline.trace import by_name, trace, untraceable
 
 
 @dataclass
@@ -67,7 +67,7 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime, trace_s
     n_stages = s.pp * s.stages_per_rank
     example = example_microbatch(cfg, dp)
     try:
-        names, inputs = candidates(model, example)
+        names, inputs = candidates(model, *by_name(example))
     except Exception as e:  # the forward failed on meta tensors: same cause as a failed trace
         raise untraceable(model, e) from None
     if n_stages > len(names):

@@ -20,9 +20,11 @@ rotary embeddings the trace has flattened away: its own forward would not take
 the traced call. Such stages keep their traced blocks (`traced_blocks`), which
 compute exactly what the model's would: data parallelism (FSDP2 units per
 block, then the stage) and recomputation need only module boundaries and
-parameters, which the traced blocks keep under the original names. What needs
-the model's own block code (tp, ep, cp, trainer.compile, sync_batchnorm's
-BatchNorm layers) is refused for nested blocks with pp > 1 (check.py).
+parameters, which the traced blocks keep under the original names; context
+parallelism replaces the attention ops in their graphs (Note [traced attention
+over the cp ranks] in parallel/strategies/context/traced.py). What needs the
+model's own block code (tp, ep, trainer.compile, sync_batchnorm's BatchNorm
+layers) is refused for nested blocks with pp > 1 (check.py).
 """
 from __future__ import annotations
 

@@ -47,7 +47,8 @@ warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` i
 
 
 def trace(model: nn.Module, example: tuple, starts: list[str]):
-    """Trace `model` (on meta) and cut it before each name in `starts[1:]` (Note [tracing for the pipeline]).
+    """Trace `model` (on meta) on one microbatch's inputs `example` (split.example_microbatch, taken as `by_name`
+    says) and cut it before each name in `starts[1:]` (Note [tracing for the pipeline]).
 
     Tracing rearranges the module it is given (tied weights above all), so it
     works on a copy: the model can be traced again, with other cuts.
@@ -57,9 +58,18 @@ def trace(model: nn.Module, example: tuple, starts: list[str]):
     for name in starts[1:]:
         model.get_submodule(name).register_forward_pre_hook(lambda *_: pipe_split())
     try:
-        return pipeline(model, mb_args=example, split_policy=_inline_grad_regions)
+        args, named = by_name(example)
+        return pipeline(model, mb_args=args, mb_kwargs=named, split_policy=_inline_grad_regions)
     except Exception as e:  # torch.export raises many types; all mean "cannot trace"
         raise untraceable(model, e) from None
+
+
+def by_name(example: tuple) -> tuple[tuple, dict]:
+    """How the model's forward takes split.example_microbatch's inputs: by position, except the positions under
+    context parallelism (its only second input), which go by name, `position_ids` (the built-in gpt's second
+    argument; a Hugging Face model's second is its attention mask). The traced first stage takes both by
+    position, in that order, as the engine hands them."""
+    return (example[:1], {"position_ids": example[1]}) if len(example) == 2 else (example, {})
 
 
 def untraceable(model: nn.Module, e: Exception) -> ConfigError:
