@@ -120,6 +120,14 @@ def wrapped(model: str, **kwargs) -> nn.Module:
     return Wrapped(globals()[model](**kwargs) if model in globals() else MODELS[model](**kwargs))
 
 
+def llama_without_sdpa(**kwargs):
+    """A Llama that says it has no "sdpa" attention (as some Hugging Face models do), running its eager one."""
+    model = llama(**kwargs)
+    model.set_attn_implementation("eager")
+    model._supports_sdpa = False
+    return model
+
+
 def hidden_states_only(vocab_size: int = 64, seq_len: int = 16, dim: int = 32):
     """A Hugging Face base model: its output holds hidden states, no logits (a bad input for training)."""
     return llama(vocab_size, seq_len, dim).model

@@ -102,6 +102,10 @@ BAD = [
       "model___target_": "tests.hf_models.wrapped", "model__args": {"model": "gpt", **GPT["model__args"]}}, 4,
      "strategy.cp=2: context parallelism composes with pipeline parallelism for the built-in gpt and Hugging Face "
      "causal LMs; Wrapped's pipeline stages would need positions as a traced input"),
+    ({"strategy__name": "hybrid", "strategy__cp": 2, "strategy__pp": 2, "model__name": "custom",
+      "model___target_": "tests.hf_models.llama_without_sdpa", "model__args": {}}, 4,
+     "strategy.cp=2: with pipeline parallelism LlamaForCausalLM is traced with its \"sdpa\" attention, which it "
+     "does not take"),
     ({"strategy__cp": 3}, 4, "strategy.cp=3: the degrees must multiply to the world size: dp 1 x ep 1 x pp 1 x cp 3 "
      "x tp 1 = 3 != world size 4"),
     ({"strategy__name": "hybrid", "strategy__dp": 2, "strategy__cp": 2, "strategy__tp": 2, "strategy__pp": 1}, 4,

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import Config, cuda_run, fail
 from parallel.strategies.context.attention import SequenceShard
-from parallel.strategies.context.traced import point_traced_attention
+from parallel.strategies.context.traced import point_traced_attention, traceable_attention
 
 HF_NAME = "context_parallel"  # the name the cp attention is registered under with transformers
 
@@ -178,6 +178,12 @@ def check_context(cfg: Config, model: nn.Module) -> None:
              f"Face causal LMs; {type(model).__name__}'s pipeline stages would need positions as a traced input "
              "(Note [context parallelism under the pipeline])",
              ["strategy.pp=1", "model=gpt", "a Hugging Face causal LM", "1"])
+    if s.pp > 1:
+        try:  # what the workers do before tracing (Note [traced attention over the cp ranks])
+            traceable_attention(model)
+        except ValueError as e:  # transformers' refusal: the model has no "sdpa" attention
+            fail(key, s.cp, f"with pipeline parallelism {type(model).__name__} is traced with its \"sdpa\" "
+                 f"attention, which it does not take ({str(e).split('. ')[0]})", ["strategy.pp=1", "1"])
     if s.sequence_parallel:
         fail("strategy.sequence_parallel", True, "does not compose with context parallelism yet (strategy.cp="
              f"{s.cp})", [False])
