@@ -29,6 +29,17 @@ def llama(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 
     return LlamaForCausalLM(cfg)
 
 
+def mistral(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
+            kv_heads: int = 2, sliding_window: int | None = 8):
+    """MistralForCausalLM: Llama's layout with sliding-window attention over `sliding_window` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=vocab_size, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
+                        sliding_window=sliding_window, use_cache=False)
+    return MistralForCausalLM(cfg)
+
+
 def gpt2(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
          dropout: float = 0.0):
     """GPT2LMHeadModel: Conv1D layers, learned positions, the output head tied to the token embedding."""

@@ -87,6 +87,9 @@ def test_traced_attention_takes_sdpas_arguments():
 
 def test_gpt_with_cp_passes():
     validate(cfg_with(**GPT, strategy__name="context"), 4)
+    # a sliding window as long as the sequence is causal attention over all of it
+    validate(cfg_with(**{**GPT, "model__name": "custom", "model___target_": "tests.hf_models.mistral",
+                         "model__args": {"sliding_window": 16}}, strategy__name="context"), 2)
     validate(cfg_with(**GPT, strategy__name="hybrid", strategy__dp=2, strategy__cp=2), 4)
 
 
@@ -111,6 +114,9 @@ BAD = [
     ({"strategy__name": "hybrid", "strategy__dp": 2, "strategy__cp": 2, "strategy__tp": 2, "strategy__pp": 1}, 4,
      "strategy=hybrid: the degrees must multiply to the world size: dp 2 x ep 1 x pp 1 x cp 2 x tp 2 = 8"),
     ({"strategy__tp": 2}, 4, "strategy.tp=2: strategy=context does not use a tp dimension"),
+    ({"model__name": "custom", "model___target_": "tests.hf_models.mistral", "model__args": {"sliding_window": 8}}, 2,
+     "strategy.cp=2: the attention over the cp ranks is causal over the whole sequence, and MistralForCausalLM "
+     "attends over a sliding window of 8 tokens, shorter than data.seq_len=16"),
     ({"model__name": "custom", "model___target_": "tests.hf_models.gpt2", "model__args": {"dropout": 0.1}}, 2,
      "strategy.cp=2: the attention over the cp ranks has no dropout, and GPT2LMHeadModel's attention dropout is 0.1"),
 ]

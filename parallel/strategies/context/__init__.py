@@ -146,6 +146,20 @@ def _check_cuda(cfg: Config) -> None:
              [f"data.seq_len={64 * s.cp * max(1, -(-chunk // 32))}", "trainer.precision=bf16", "1"])
 
 
+def sliding_window(config) -> int | None:
+    """The window of a Hugging Face config's sliding-window attention layers (Mistral's `sliding_window`; Qwen2's
+    with `use_sliding_window`; per-layer `layer_types` naming "sliding_attention"), None when it has none. The cp
+    attention is plain causal attention (the model's mask is not read), which equals a window only as long as
+    the sequence."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return window
+
+
 def check_context(cfg: Config, model: nn.Module) -> None:
     """strategy.cp > 1 (resolved degrees): a model whose attention can be split, per-token targets, and
     sequences of a length that divides into 2 x cp chunks (Note [context parallelism])."""
@@ -162,6 +176,11 @@ def check_context(cfg: Config, model: nn.Module) -> None:
     if dropout:
         fail(key, s.cp, f"the attention over the cp ranks has no dropout, and {type(model).__name__}'s attention "
              f"dropout is {dropout}", ["+model.config.attention_dropout=0 (or attn_pdrop=0)", "1"])
+    window = sliding_window(config)
+    if window is not None and window < cfg.data.seq_len:
+        fail(key, s.cp, f"the attention over the cp ranks is causal over the whole sequence, and "
+             f"{type(model).__name__} attends over a sliding window of {window} tokens, shorter than data.seq_len="
+             f"{cfg.data.seq_len}", [f"data.seq_len<={window}", "+model.config.sliding_window=null", "1"])
     if cfg.data.task != "lm":
         fail(key, s.cp, f"context parallelism splits sequences with a target per token; data.task="
              f"{cfg.data.task} has one per sample", ["data.task=lm", "1"])
