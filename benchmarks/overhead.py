@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# A run that has not ended by then hung (a 60-step run takes seconds): stop the benchmark rather than wait.
+TIMEOUT_S = 300
 
 
 def framework(a, run_dir: Path) -> float:
@@ -28,7 +30,7 @@ def framework(a, run_dir: Path) -> float:
            f"model.args.hidden={a.hidden}", f"model.args.depth={a.depth}", f"trainer.batch_size={a.batch}",
            f"trainer.steps={a.steps}", f"trainer.log_every={a.steps}", "trainer.progress=false",
            f"run_dir={run_dir}"]
-    subprocess.run(cmd, check=True, capture_output=True, env=_env(), cwd=ROOT)
+    subprocess.run(cmd, check=True, capture_output=True, env=_env(), cwd=ROOT, timeout=TIMEOUT_S)
     last = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]
     return json.loads(last)["step_time_s"]
 
@@ -37,7 +39,8 @@ def handwritten(a) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "benchmarks" / "ddp_loop.py"), f"--hidden={a.hidden}", f"--depth={a.depth}",
            f"--batch={a.batch}", f"--steps={a.steps}"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(), cwd=ROOT).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(), cwd=ROOT,
+                         timeout=TIMEOUT_S).stdout
     return json.loads(out.strip().splitlines()[-1])["step_time_s"]
 
 
