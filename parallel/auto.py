@@ -33,10 +33,15 @@ a predicted step time:
                (parallel.strategies.pipeline.schedules.analytic_bubble):
                (p - 1) / (v*m) for GPipe, 1F1B and the interleaved ones (v
                stages per rank, m microbatches, p pipeline ranks)
-    comm       bytes handed to collectives and sends in the step (an
-               all-reduce counted twice; DDP's bucket all-reduce added; an
-               all-to-all counts what leaves the rank, see below) / B, the
-               loopback bandwidth measured here (gloo on one machine)
+    comm       bytes the step's collectives and sends send from the rank, as
+               the ring algorithms do in a group of W ranks (Note [comm
+               bytes] in parallel/plan_comm.py): an all-reduce of S bytes
+               2 (W - 1) / W x S (DDP's bucket all-reduce added, over the
+               data-parallel group), an all-gather (W - 1) x its input, a
+               reduce-scatter (W - 1) / W x its input, an all-to-all its
+               input less the rank's own split (see below), a broadcast or
+               a send the tensor; / B, the loopback bandwidth measured here
+               (gloo on one machine)
     transfers  bytes offload moves to and from its tiers / D, the disk
                bandwidth measured here (0 when nothing goes to disk)
     step       compute (with its bubble) + comm + transfers: no overlap assumed
@@ -55,11 +60,11 @@ sequence length), k = top_k, d the model width, E the experts; the second
 term is the all-to-all of the counts (int64 per expert) before each
 dispatch. With the moe defaults under ep 2 (n = 16 x 32, k 2, d 64, fp32,
 2 layers): 1.05 MB a step. Blocks recomputed in backward run their forward's
-two again (6 x instead of 4 x). Context parallelism's exchange is counted as
-handed too: per attention layer the keys and values all-gathered in forward
-and again in backward (each counted as its cp outputs plus its input) and
-their gradients all-reduced (counted twice). plan.json gives the
-all-to-alls' part of comm_bytes as all_to_all_bytes.
+two again (6 x instead of 4 x). Context parallelism's exchange is counted by
+the same rules: per attention layer the rank's keys and values all-gathered
+in forward and again in backward ((cp - 1) x its chunk each) and the
+gradients of all cp chunks all-reduced (2 (cp - 1) / cp x them). plan.json
+gives the all-to-alls' part of comm_bytes as all_to_all_bytes.
 
 A simple model, stated: it ignores overlap, kernel efficiency at small sizes
 and network topology; its job is to rank plans that fit, and the table shows

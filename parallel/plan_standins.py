@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -69,14 +70,19 @@ class CountingIO(OffloadIO):
 class DDPStandIn:
     """DDP cannot run on fake tensors (its C++ reducer checks and hooks read tensor data), so while
     planning its `replicate` (the runtime's) leaves the model as it is and the plan adds what DDP itself holds: its gradient
-    buckets, one flat copy of the trainable parameters' gradients, alive for the whole run."""
+    buckets, one flat copy of the trainable parameters' gradients, alive for the whole run, and what it
+    sends: the buckets all-reduced over the group it was given."""
 
     def __init__(self):
-        self.models: list[nn.Module] = []
+        self.models: list[tuple[nn.Module, int]] = []  # each with the size of its data-parallel group
 
-    def replicate(self, model: nn.Module, **kwargs) -> nn.Module:
-        self.models.append(model)
+    def replicate(self, model: nn.Module, device_mesh=None, **kwargs) -> nn.Module:
+        self.models.append((model, device_mesh.size() if device_mesh is not None else dist.get_world_size()))
         return model
 
+    def buckets(self) -> list[tuple[int, int]]:
+        """(bucket bytes, the group's size) per replicated model."""
+        return [(sum(local_bytes(p) for p in m.parameters() if p.requires_grad), world) for m, world in self.models]
+
     def bucket_bytes(self) -> int:
-        return sum(local_bytes(p) for m in self.models for p in m.parameters() if p.requires_grad)
+        return sum(size for size, _ in self.buckets())

@@ -36,7 +36,8 @@ patching the project: pipeline stages get their boundary shapes up front
 (the shapes are exchanged between ranks at a real first step),
 tensor-parallel stages the local ones, and every role computes the split
 itself instead of receiving rank 0's; blocks are weighed by FLOPs, not timed;
-DDP's reducer is replaced by a stand-in and its buckets added; offload's
+DDP's reducer is replaced by a stand-in and its buckets added (to the
+memory, and their all-reduce to the bytes sent: Note [comm bytes]); offload's
 threads run inline and its tiers move nothing. Three places inside PyTorch
 have no such seam and are patched while planning, in one module that says
 why (parallel.torch_patches): a point-to-point send's work keeps its tensor
@@ -77,10 +78,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import _disable_current_modes
 
 from parallel.config import Config, cuda_run
 from parallel.data import planned_data
@@ -89,6 +88,7 @@ from parallel.flops import Flops
 from parallel.init import Blank
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
+from parallel.plan_comm import CommBytes, ring_all_reduce_bytes
 from parallel.plan_standins import CountingIO, DDPStandIn, InlineExecutor
 from parallel.runtime import Runtime
 from parallel.shape_values import ShapeValues
@@ -128,7 +128,7 @@ class RankPlan:
     # The work of the step, for strategy=auto's cost model (parallel.auto):
     flops: int = 0  # forward + backward + optimizer, by torch's per-op formulas (Flops)
     ops: int = 0  # operators dispatched in the step (each costs a fixed overhead besides its FLOPs)
-    comm_bytes: int = 0  # handed to collectives and point-to-point sends (an all-reduce counts twice)
+    comm_bytes: int = 0  # sent by collectives and point-to-point sends, as what leaves the rank (Note [comm bytes])
     all_to_all_bytes: int = 0  # of which all-to-alls send to other ranks (expert parallelism: Note [auto])
     io_bytes: int = 0  # moved to and from offload's tiers
 
@@ -310,7 +310,7 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
             # (weights, optimizer state, the engine's buffers), plus what it makes. The first step makes
             # the optimizer state; the second holds it, as every later step does.
-            flops, comm = Flops(), _CommBytes()
+            flops, comm = Flops(), CommBytes()
             counted = [_count_step(run, step, flops, comm, by_module) for step in (1, 2)]
             tracker, modules = max(counted, key=lambda tm: tm[0].peak)
             flops_per_step, ops_per_step = flops.total // 2, flops.ops // 2
@@ -328,45 +328,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                     activations=k["activations"], temp=k["temp"], total=tracker.peak + buckets,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
                     flops=flops_per_step, ops=ops_per_step,
-                    comm_bytes=comm.bytes + 2 * buckets if dims.dp * dims.ep * dims.cp > 1 else comm.bytes,
+                    comm_bytes=comm.bytes + sum(ring_all_reduce_bytes(b, w) for b, w in ddp.buckets()),
                     all_to_all_bytes=comm.all_to_all, io_bytes=moved)
-
-
-class _CommBytes(TorchDispatchMode):
-    """Bytes of the tensors handed to c10d's collectives and sends while active (an all-reduce sends
-    about twice its size around a ring, so it counts twice; an all-to-all, what leaves the rank: Note [auto])."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-        self.all_to_all = 0  # of which all-to-alls
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional") and "recv" not in func.__name__:
-            sent = _all_to_all_sent(func, args)
-            if sent is None:
-                size = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs))[0]
-                           if isinstance(t, torch.Tensor))
-                sent = size * (2 if "allreduce" in func.__name__ or "all_reduce" in func.__name__ else 1)
-            else:
-                self.all_to_all += sent
-            self.bytes += sent
-        return func(*args, **(kwargs or {}))
-
-
-def _all_to_all_sent(func, args) -> int | None:
-    """The bytes an all-to-all of one tensor sends to the other ranks of its group: its input less this rank's
-    own split, which stays (None for any other op)."""
-    if func.overloadpacket is torch.ops._c10d_functional.all_to_all_single:  # names its group: torch's lookup
-        x, splits, group = args[0], args[2], _resolve_process_group(args[3])
-    elif func.overloadpacket is torch.ops.c10d.alltoall_base_:
-        x, group, splits = args[1], dist.ProcessGroup.unbox(args[2]), args[4]
-    else:
-        return None
-    total = x.numel() * x.element_size()
-    if not splits:  # equal splits
-        return total - total // group.size()
-    return total - total * int(splits[group.rank()]) // max(1, sum(map(int, splits)))
 
 
 def _count_step(run, step: int, flops, comm, by_module: bool):

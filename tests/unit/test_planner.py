@@ -1,9 +1,14 @@
-"""The planner's communication count in one process (fake tensors, fake process group): expert parallelism's
-all-to-alls and context parallelism's exchange are in a plan's comm_bytes, as Note [auto] states them."""
+"""The planner's communication count in one process (fake tensors, fake process group): every collective counted
+as the bytes that leave the rank (Note [comm bytes]), so data parallelism's gradients, FSDP's gathers and
+reduce-scatters, expert parallelism's all-to-alls and context parallelism's exchange are in a plan's comm_bytes,
+as Note [auto] states them."""
 import pytest
+import torch
 
 from parallel.config import Config
+from parallel.models.build import build_meta_model
 from parallel.planner import plan
+from parallel.strategies.data import blocks_of
 from parallel.validate import validate
 
 BATCH, SEQ, DIM, LAYERS = 8, 16, 32, 2
@@ -11,15 +16,47 @@ MOE = {"vocab_size": 64, "seq_len": SEQ, "dim": DIM, "heads": 4, "layers": LAYER
 GPT = {"vocab_size": 64, "seq_len": SEQ, "dim": DIM, "heads": 4, "layers": LAYERS}
 
 
-def _planned(model: str, args: dict, world: int, **strategy):
+def _config(model: str, args: dict, **strategy) -> Config:
     cfg = Config()
     cfg.model.name, cfg.model.args, cfg.data.task = model, dict(args), "lm"
     cfg.data.seq_len, cfg.trainer.batch_size = SEQ, BATCH
     for key, value in strategy.items():
         setattr(cfg.strategy, key, value)
+    return cfg
+
+
+def _planned(model: str, args: dict, world: int, **strategy):
+    cfg = _config(model, args, **strategy)
     validate(cfg, world)
     (only,) = plan(cfg, world)  # no pipeline: every rank has the one role
     return only
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+# The loss's token count of the step, all-reduced over the data-parallel ranks (an int64: Note [global loss]);
+# an all-reduce of 8 bytes over 2 ranks sends 2 (2 - 1) / 2 x 8.
+COUNT = 8
+
+
+def test_data_zero_0_sends_the_gradients_all_reduced():
+    """DDP's buckets all-reduced over W = 2 ranks send 2 (W - 1) / W x the gradients, and nothing else but the
+    loss's count."""
+    grads = _bytes(build_meta_model(_config("gpt", GPT).model))
+    assert _planned("gpt", GPT, 2, name="data", zero=0).comm_bytes == 2 * (2 - 1) * grads // 2 + COUNT
+
+
+def test_data_zero_3_sends_the_gathers_and_reduce_scatters():
+    """FSDP2 over W = 2: each block gathered in forward and again in backward, the root (which keeps its
+    parameters from forward to backward) once, each sending (W - 1) / W of the full weights; every gradient
+    reduce-scattered, sending (W - 1) / W of it."""
+    model = build_meta_model(_config("gpt", GPT).model)
+    blocks = sum(_bytes(b) for b in blocks_of(model))
+    root = _bytes(model) - blocks
+    gathers, reduce_scatters = (2 * blocks + root) // 2, (blocks + root) // 2
+    assert _planned("gpt", GPT, 2, name="data", zero=3).comm_bytes == gathers + reduce_scatters + COUNT
 
 
 def _all_to_all_formula(dp: int, ep: int) -> int:
@@ -46,8 +83,8 @@ def test_context_parallel_plans_count_the_key_value_exchange():
     cp, heads = 2, GPT["heads"]
     # Keys and values of a rank's 2L = SEQ / cp tokens, all samples (cp ranks read the same ones), fp32.
     local = 2 * BATCH * heads * (SEQ // cp) * (DIM // heads) * 4
-    # Per layer: all-gathered in forward and in backward (cp outputs + the input each), gradients of every
-    # chunk all-reduced (cp x local, counted twice).
-    exchange = LAYERS * (2 * (cp + 1) * local + 2 * cp * local)
+    # Per layer: all-gathered in forward and in backward (each rank sends its chunk to the cp - 1 others), the
+    # gradients of every chunk all-reduced (cp x local, of which 2 (cp - 1) / cp leave the rank).
+    exchange = LAYERS * (2 * (cp - 1) * local + 2 * (cp - 1) * cp * local // cp)
     got = _planned("gpt", GPT, 2, name="context").comm_bytes - _planned("gpt", GPT, 2, name="data").comm_bytes
     assert got == exchange
