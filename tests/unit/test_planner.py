@@ -36,16 +36,17 @@ def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-# The loss's token count of the step, all-reduced over the data-parallel ranks (an int64: Note [global loss]);
-# an all-reduce of 8 bytes over 2 ranks sends 2 (2 - 1) / 2 x 8.
+# The loss's token count of the step (an int64: Note [global loss]), all-reduced over the data-parallel ranks.
 COUNT = 8
 
 
-def test_data_zero_0_sends_the_gradients_all_reduced():
-    """DDP's buckets all-reduced over W = 2 ranks send 2 (W - 1) / W x the gradients, and nothing else but the
-    loss's count."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_zero_0_sends_the_gradients_all_reduced(world):
+    """DDP's buckets all-reduced over W ranks send 2 (W - 1) / W x the gradients, and nothing else but the
+    loss's count, all-reduced by the same rule."""
     grads = _bytes(build_meta_model(_config("gpt", GPT).model))
-    assert _planned("gpt", GPT, 2, name="data", zero=0).comm_bytes == 2 * (2 - 1) * grads // 2 + COUNT
+    sent = _planned("gpt", GPT, world, name="data", zero=0).comm_bytes
+    assert sent == 2 * (world - 1) * grads // world + 2 * (world - 1) * COUNT // world
 
 
 def test_data_zero_3_sends_the_gathers_and_reduce_scatters():
