@@ -97,8 +97,16 @@ def resolve_loss_fn(c: LossConfig):
 
 
 # The loss whose step is being trained, weakly (Note [auxiliary loss] in parallel/models/moe.py): set by
-# `Loss.start_step`, which every engine calls before its first forward; gone with its run.
+# `Loss.start_step`, which every engine calls before its first forward; forgotten when its run or plan ends
+# (`end_steps`).
 _stepping: list = [None]
+
+
+def end_steps() -> None:
+    """Forget the stepping loss: a run (or a plan) has ended. Its Loss may outlive it in a reference cycle
+    until the collector runs, and a model trained afterwards in the same process (a user's own loop after a
+    plan) must not take its weight."""
+    _stepping[0] = None
 
 
 def aux_sample_weight() -> float | None:

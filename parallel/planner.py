@@ -86,6 +86,7 @@ from parallel.data import planned_data
 from parallel.dims import ParallelDims, batch_mesh
 from parallel.flops import Flops
 from parallel.init import Blank
+from parallel.loss import end_steps
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
 from parallel.plan_comm import CommBytes, ring_all_reduce_bytes
@@ -319,6 +320,7 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
             moved = io.moved[0] // 2
             run.engine.close()
     finally:
+        end_steps()  # the planned step's Loss must not weigh a later model's auxiliary terms
         dist.destroy_process_group()
     k = tracker.kinds
     buckets = ddp.bucket_bytes()

@@ -89,3 +89,22 @@ def test_context_parallel_plans_count_the_key_value_exchange():
     exchange = LAYERS * (2 * (cp - 1) * local + 2 * (cp - 1) * cp * local // cp)
     got = _planned("gpt", GPT, 2, name="context").comm_bytes - _planned("gpt", GPT, 2, name="data").comm_bytes
     assert got == exchange
+
+
+def test_a_plan_leaves_no_stepping_loss_behind(monkeypatch):
+    """After a plan, a model trained in the same process (a user's own loop) weighs its auxiliary terms itself
+    (Note [auxiliary loss]): the planned step's Loss, kept alive here as a reference cycle or a held traceback
+    would keep it, is no longer the stepping one."""
+    from parallel import loss as loss_module
+
+    kept = []
+    start_step = loss_module.Loss.start_step
+
+    def keeping(self, *args, **kwargs):
+        kept.append(self)
+        return start_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(loss_module.Loss, "start_step", keeping)
+    _planned("moe", MOE, 2, name="expert")
+    assert kept, "the plan ran no step"
+    assert loss_module.aux_sample_weight() is None
