@@ -37,6 +37,7 @@ before it, with a warning. The newest `trainer.keep_checkpoints` are kept.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel.config import Config, ConfigError, RunError
 from parallel.lr_schedule import group_settings, restore_scheduler
@@ -58,6 +60,21 @@ from parallel.seeding import rng_state, set_rng_state
 SUFFIX = ".partial"
 META = "trainer.json"
 DATA = "data.pt"
+
+
+@contextlib.contextmanager
+def _interrupts_pass():
+    """A Ctrl-C while DCP writes or reads stays a KeyboardInterrupt. DCP catches whatever a rank raises inside
+    save / load, KeyboardInterrupt included, and raises the ranks' failures together as a CheckpointException,
+    which is a BaseException: the workers' Ctrl-C handling would not see it, and it would end them with a
+    traceback instead of the one line an interrupt gets (the checkpoint stays unfinished either way: Note
+    [atomic checkpoint])."""
+    try:
+        yield
+    except CheckpointException as e:
+        if any(isinstance(failure[0], KeyboardInterrupt) for failure in e.failures.values()):
+            raise KeyboardInterrupt from e
+        raise
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -216,7 +233,8 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
         state, _ = training_state(run)
-        dcp.save(state, checkpoint_id=str(partial))
+        with _interrupts_pass():
+            dcp.save(state, checkpoint_id=str(partial))
         torch.save(rng_state(), partial / f"rng-{rank}.pt")
         data_state = run.data.state_dict() if hasattr(run.data, "state_dict") else None
         if rank == 0 and data_state is not None:
@@ -307,7 +325,8 @@ def load(run, path: Path) -> int:
     t0 = time.perf_counter()
     state, copies = training_state(run)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _interrupts_pass():
+            dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # DCP raises one CheckpointException holding every rank's error
         first = str(e).strip().splitlines()
         raise RunError(f"trainer.resume: cannot load {path}: {type(e).__name__}: "

@@ -61,3 +61,22 @@ def test_resume_values(tmp_path):
         find(str(tmp_path))
     with pytest.raises(ConfigError, match=r"^trainer.resume=.*no such directory"):
         find(str(tmp_path / "nowhere"))
+
+
+def test_a_ctrl_c_inside_dcp_stays_an_interrupt():
+    """DCP gathers a rank's KeyboardInterrupt into a CheckpointException (a BaseException the workers' Ctrl-C
+    handling would not see): it comes out as the interrupt again; any other failure stays DCP's."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from parallel.checkpoint import _interrupts_pass
+
+    def failing(exc):
+        try:
+            raise exc
+        except BaseException as e:  # noqa: BLE001 - what DCP's gathering does
+            return _wrap_exception(e)
+
+    with pytest.raises(KeyboardInterrupt), _interrupts_pass():
+        raise CheckpointException("save", {0: failing(OSError("disk")), 1: failing(KeyboardInterrupt())})
+    with pytest.raises(CheckpointException), _interrupts_pass():
+        raise CheckpointException("save", {0: failing(OSError("disk full"))})
