@@ -5,14 +5,17 @@
 Builds the configured model and strategy under fake tensors and a fake process
 group, runs one training step symbolically for each rank role (Note [planner]
 in parallel/planner.py), prints a table and writes plan.json and its picture,
-memory.png, into the run dir. No GPU, no workers and no real memory are used.
-world_size defaults to nproc (or 1).
+memory.png, into the run dir. No GPU, no workers and no real memory are used:
+trainer.device=cuda plans a CUDA run from any host (Note [planning for CUDA] in
+parallel/plan_cuda.py). strategy=auto plans its candidates first and then the
+one it picks (parallel.auto). world_size defaults to nproc (or 1).
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,10 +23,12 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from parallel.config import ConfigError  # noqa: E402
+from parallel.auto import choose, device_budget, table  # noqa: E402
+from parallel.config import ConfigError, bf16_run, cuda_run  # noqa: E402
 from parallel.entry import reported  # noqa: E402
 from parallel.memory.budget import budget_bytes  # noqa: E402
 from parallel.pictures.memory import write_memory  # noqa: E402
+from parallel.plan_cuda import BLOCK, LEFT_OUT, cublas_workspace  # noqa: E402
 from parallel.planner import KINDS, plan  # noqa: E402
 from parallel.units import human_bytes  # noqa: E402
 from parallel.validate import to_config, validate  # noqa: E402
@@ -73,16 +78,30 @@ def main(dcfg: DictConfig) -> None:
     validate(cfg, world)
     # As train.py's: run_dir, else Hydra's (hydra.run.dir, or its dated default); fixed before planning.
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
+    found = None
+    if cfg.strategy.name == "auto":  # plan the candidates, then the one picked
+        budget = device_budget(cfg, world)
+        cfg, found = choose(cfg, world, Path(run_dir))
+        print(table(found, f"budget {human_bytes(budget)} per rank"))
     plans = plan(cfg, world, by_module=options["plan.by_module"])
     os.makedirs(run_dir, exist_ok=True)
+    cuda = cuda_run(cfg.trainer.device)
     head = f"{'rank':>4}  {'ranks alike':<12}" + "".join(f"{k:>12}" for k in KINDS) + f"{'total':>12}  peak in"
-    print(f"plan: strategy={cfg.strategy.name} model={cfg.model._target_ or cfg.model.name} world_size={world} "
-          f"batch_size={cfg.trainer.batch_size} (bytes of live tensors at each rank's peak)")
+    print(f"plan{' for CUDA' if cuda else ''}: strategy={cfg.strategy.name} model={cfg.model._target_ or cfg.model.name}"
+          f" world_size={world} batch_size={cfg.trainer.batch_size} ("
+          + ("bytes the CUDA caching allocator holds at each rank's peak, as torch.cuda.max_memory_allocated counts"
+             if cuda else "bytes of live tensors at each rank's peak") + ")")
     print(head)
     for p in plans:
         where = p.peak_phase + (f" ({p.peak_module})" if p.peak_module else "")
         print(f"{p.rank:>4}  {_ranks(p.same_as):<12}" + "".join(f"{human_bytes(getattr(p, k)):>12}" for k in KINDS)
               + f"{human_bytes(p.total):>12}  {where}")
+    record = {"world_size": world, "strategy": cfg.strategy.name, "device": "cuda" if cuda else "cpu", "ranks": [
+        {k: v for k, v in vars(p).items() if k != "by_module"} for p in plans]}
+    if cuda:
+        record["cuda"] = _cuda_notes(cfg, plans)
+    if found is not None:
+        record["auto"] = [vars(c) for c in found]
     if options["plan.by_module"] and plans[0].by_module:
         rows = plans[0].by_module[:options["plan.top"]]
         print(f"\nby module, rank {plans[0].rank} (own parameters, saved for backward, forward temporaries), "
@@ -92,12 +111,33 @@ def main(dcfg: DictConfig) -> None:
         for r in rows:
             print(f"{r['name']:<{width}}  {r['type'][:19]:<20}{human_bytes(r['params']):>12}{human_bytes(r['saved']):>12}"
                   f"{human_bytes(r['temp']):>12}{human_bytes(r['total']):>12}")
-    record = {"world_size": world, "strategy": cfg.strategy.name, "ranks": [
-        {k: v for k, v in vars(p).items() if k != "by_module"} for p in plans]}
     if options["plan.by_module"]:
         record["by_module"] = plans[0].by_module
     for path in _write(run_dir, record, budget_bytes(cfg.memory)):
         print(f"written: {path}")
+
+
+def _cuda_notes(cfg, plans) -> dict:
+    """Print what a CUDA plan includes and leaves out (Note [planning for CUDA]); the same for plan.json."""
+    workspace, source = cublas_workspace()
+    worst = max(plans, key=lambda p: p.total)
+    precision = "bf16 autocast" if bf16_run(cfg) else "fp32"
+    pinned = max(p.host_pinned for p in plans)
+    print(f"CUDA, included: {precision}; the caching allocator's {BLOCK}-byte rounding (+{human_bytes(worst.rounding)} "
+          f"at rank {worst.rank}'s peak); cuBLAS workspaces of {workspace / 2**20:.1f} MiB, one per thread that runs "
+          f"matrix products ({human_bytes(worst.workspaces)} at that peak; {source}); the optimizer's foreach "
+          f"temporaries" + (f"; offload's pinned host memory, {human_bytes(pinned)} (the host's, not in total)"
+                           if pinned else ""))
+    print(f"CUDA, left out: {', '.join(LEFT_OUT)}: leave room for them under memory.budget")
+    ops = {}
+    for p in plans:
+        for name, n in p.fp32_on_cuda.items():
+            ops[name] = max(ops.get(name, 0), n)
+    if ops:
+        print("CUDA, autocast: calls given bf16 tensors that CUDA's autocast runs in fp32 (the CPU's would not), "
+              "planned so: " + ", ".join(f"{name} x{n}" for name, n in sorted(ops.items())))
+    return {"precision": precision, "allocator_block": BLOCK, "cublas_workspace": workspace,
+            "cublas_workspace_from": source, "host_pinned": pinned, "fp32_on_cuda": ops, "left_out": LEFT_OUT}
 
 
 def _write(run_dir: str, record: dict, budget: int | None) -> list[str]:
@@ -108,9 +148,11 @@ def _write(run_dir: str, record: dict, budget: int | None) -> list[str]:
         json.dump(record, f, indent=2)
     ranks = record["ranks"]
     labels = [f"rank {p['rank']}" if p["same_as"] == [p["rank"]] else f"ranks {_ranks(p['same_as'])}" for p in ranks]
+    cuda = record.get("device") == "cuda"
     picture = write_memory(os.path.join(run_dir, "memory.png"), labels, {k: [p[k] for p in ranks] for k in KINDS},
-                           budget, f"plan: strategy={record['strategy']} world_size={record['world_size']}\n"
-                           "live tensors at each rank's peak")
+                           budget, f"plan{' for CUDA' if cuda else ''}: strategy={record['strategy']} world_size="
+                           f"{record['world_size']}\n" + ("CUDA memory allocated" if cuda else "live tensors")
+                           + " at each rank's peak")
     return [path, str(picture)]
 
 

@@ -21,8 +21,17 @@ from omegaconf import DictConfig  # noqa: E402
 
 from parallel.auto import chart, choose, device_budget, table  # noqa: E402
 from parallel.config import ConfigError, to_dict  # noqa: E402
+from parallel.dims import check_gpus  # noqa: E402
 from parallel.entry import exit_with, reported  # noqa: E402
-from parallel.launcher import check_world_size, in_submitit_job, join_submitit_job, launch, under_torchrun, worker  # noqa: E402
+from parallel.launcher import (  # noqa: E402
+    check_world_size,
+    in_submitit_job,
+    join_submitit_job,
+    launch,
+    local_processes,
+    under_torchrun,
+    worker,
+)
 from parallel.validate import to_config, validate  # noqa: E402
 
 
@@ -35,6 +44,7 @@ def main(dcfg: DictConfig) -> None:
         started_by = "the SLURM job"
     cfg = to_config(dcfg)
     world = check_world_size(cfg.nproc, started_by)
+    check_gpus(cfg.trainer.device, local_processes(world, started_by), started_by)  # a GPU for each process
     validate(cfg, world)
     # Workers get the validated config with derived values filled in (degrees, microbatches).
     cfg_dict = to_dict(cfg)

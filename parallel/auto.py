@@ -83,7 +83,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.config import Config, ConfigError, StrategyConfig, pipelined
+from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, pipelined
 from parallel.flops import Flops
 from parallel.hardware import matmul_rate
 from parallel.memory.budget import budget_bytes
@@ -166,10 +166,14 @@ def _apply(cfg: Config, overrides: list[str]) -> Config:
 
 
 def device_budget(cfg: Config, world: int) -> int:
-    """memory.budget, or the device's memory: a GPU's, or on the CPU this machine's RAM shared by the workers."""
+    """memory.budget, or the device's memory: a GPU's, or on the CPU this machine's RAM shared by the workers.
+    A CUDA run planned on a host without a GPU (Note [planning for CUDA]) needs memory.budget."""
     if cfg.memory.budget is not None:
         return budget_bytes(cfg.memory)
-    if cfg.trainer.device != "cpu" and torch.cuda.is_available():
+    if cuda_run(cfg.trainer.device):
+        if not torch.cuda.is_available():
+            fail("memory.budget", None, "planning a CUDA run on a host without a GPU needs the GPU's memory",
+                 ["e.g. 80GB (H100)", "141GB (H200)"])
         return torch.cuda.get_device_properties(0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
 
@@ -243,7 +247,8 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
     share = max(1.0, world * torch.get_num_threads() / cores)
     rate, per_op, bandwidth = matmul_rate(), op_overhead(), loopback_bandwidth()
     disk = disk_bandwidth(Path(run_dir)) if world == 1 else None
-    progress(f"auto: budget {budget / 1e6:.1f} MB per rank; measured {rate / 1e9:.1f} GFLOP/s, "
+    progress(f"auto: budget {budget / 1e6:.1f} MB per rank{' of CUDA memory' if cuda_run(cfg.trainer.device) else ''}; "
+             f"measured {rate / 1e9:.1f} GFLOP/s, "
              f"{per_op * 1e6:.1f} us per op, "
              f"loopback {bandwidth / 1e9:.2f} GB/s" + (f", disk {disk / 1e9:.2f} GB/s" if disk else ""))
     quiet = logging.getLogger("parallel")

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 TASKS = ("regression", "classification", "lm")
 INITS = ("module", "name")
 PRECISIONS = ("auto", "fp32", "bf16")
+REDUCE_PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant", "linear", "wsd")
 BALANCES = ("time", "memory", "params")
@@ -247,7 +248,11 @@ class TrainerConfig:
     # Clip the global gradient norm to this value; 0 disables clipping.
     clip_grad_norm: float = 1.0
     device: str = "auto"
+    # auto: bf16 on CUDA, fp32 on the CPU; bf16: autocast to bf16 on either, the weights and optimizer state
+    # kept in fp32 (Note [mixed precision] in parallel/strategies/data.py).
     precision: str = "auto"
+    # The dtype gradients are reduced over data-parallel ranks in: fp32 (default), or bf16 (half the bytes).
+    reduce_precision: str = "fp32"
     # Seconds a collective may wait before the run fails instead of hanging.
     timeout_s: float = 300.0
     progress: bool = True
@@ -406,9 +411,16 @@ def check_trainer(t: TrainerConfig) -> None:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:
         fail("trainer.precision", t.precision, "unknown precision", list(PRECISIONS))
-    if t.precision == "bf16" and not cuda_run(t.device):
-        fail("trainer.precision", t.precision, "bf16 autocast is for CUDA runs; the CPU trains in fp32",
-             ["auto", "fp32"])
+    if t.reduce_precision not in REDUCE_PRECISIONS:
+        fail("trainer.reduce_precision", t.reduce_precision, "the dtype gradients are reduced in over "
+             "data-parallel ranks", list(REDUCE_PRECISIONS))
+
+
+def bf16_run(cfg: "Config") -> bool:
+    """Whether the run computes in bf16 (autocast, and FSDP2 gathering bf16 copies): trainer.precision=bf16, or
+    auto on CUDA."""
+    t = cfg.trainer
+    return t.precision == "bf16" or (t.precision == "auto" and cuda_run(t.device))
 
 
 def check_optim(o: OptimConfig) -> None:

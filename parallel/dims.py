@@ -1,4 +1,4 @@
-"""Parallel degrees and the named DeviceMesh built from them.
+"""Parallel degrees, the named DeviceMesh built from them, and each process's device (a GPU of its own on CUDA).
 
 # Note [mesh dimensions]
 The mesh is (dp, ep, pp, cp, tp), tp innermost; every dimension is always present (size 1 when unused), so
@@ -16,6 +16,7 @@ dp x ep (`batch_mesh`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -159,10 +160,61 @@ def _derive_hybrid(degrees: dict, world_size: int) -> dict:
 
 
 def device_for_rank(preference: str, local_rank: int) -> torch.device:
-    """The compute device of this worker: its own GPU, or the CPU."""
+    """The compute device of this worker: its own GPU (`check_gpus` made sure there is one), or the CPU."""
     use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device='cuda': no CUDA device is visible (valid: auto, cpu)")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs this process sees: how many, and CUDA_VISIBLE_DEVICES (None: unset). A test makes its own."""
+
+    count: int
+    visible: str | None
+
+    @classmethod
+    def here(cls) -> "Gpus":
+        return cls(torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                   os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def variable(self) -> str:
+        return "CUDA_VISIBLE_DEVICES unset" if self.visible is None else f"CUDA_VISIBLE_DEVICES={self.visible!r}"
+
+
+def check_gpus(device: str, processes: int | None, started_by: str | None = None, gpus: Gpus | None = None) -> None:
+    """A CUDA run gives each process on this machine a GPU of its own (`device_for_rank`): more processes than
+    visible GPUs is a config error before any worker starts. Two processes on one GPU would not share it
+    quietly: nccl refuses them ("Duplicate GPU detected") after every worker has started. trainer.device=auto
+    with too many processes is the same error, not a quiet fall back to the CPU.
+
+    Args:
+        device: trainer.device.
+        processes: the workers on this machine: nproc, or the launcher's LOCAL_WORLD_SIZE (None: unknown,
+            nothing is checked).
+        started_by: the launcher that started the workers ("torchrun", "the SLURM job"), None: this process.
+        gpus: what this machine shows; None: `Gpus.here()` (asked only for a run that may use CUDA).
+    """
+    if device == "cpu" or processes is None:
+        return
+    gpus = gpus or Gpus.here()
+    if gpus.count == 0:
+        if device == "cuda":
+            raise ConfigError(f"trainer.device='cuda': no CUDA device is visible here ({gpus.variable()}; valid: "
+                              f"auto, cpu)")
+        return  # auto on a machine without a GPU: the CPU
+    if processes <= gpus.count:
+        return
+    if started_by is None:
+        given, fewer = f"nproc={processes}", f"nproc={gpus.count}"
+    elif started_by == "torchrun":
+        given, fewer = f"LOCAL_WORLD_SIZE={processes}", f"torchrun --nproc-per-node {gpus.count}"
+    else:
+        given, fewer = f"LOCAL_WORLD_SIZE={processes}", f"{gpus.count} tasks per node in {started_by}"
+    visible = f"{gpus.count} GPU is" if gpus.count == 1 else f"{gpus.count} GPUs are"
+    raise ConfigError(f"{given}: {processes} processes on this machine with trainer.device={device} need a GPU each, "
+                      f"and {visible} visible ({gpus.variable()}); start at most {gpus.count} ({fewer}), train on "
+                      f"the CPU (trainer.device=cpu), or make more GPUs visible")

@@ -16,6 +16,8 @@ stays in the strategy:
     metrics              the engine's own figures for a logged step (collective: every rank calls it)
     make_optimizer       an engine that steps its own weights returns its optimizer (offload), given the
                          parameters' unpartitioned names for the groups; None otherwise
+    state_sharding       how the optimizer state is sharded (ZeRO 1: parallel.optim.StateSharding, set by
+                         the strategy that shards it); None: every rank keeps its parameters' whole state
     wants_next_input     look_ahead(x) is handed the next step's input while this step trains
     kept_tensors         what it keeps between steps besides weights, gradients and optimizer state
                          (receive buffers, a buffer pool), counted by the memory watch
@@ -34,16 +36,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from parallel.config import Config
+from parallel.config import Config, bf16_run
 from parallel.loss import Loss
 from parallel.optim import clip_grad_norm, param_state
 
 
 def autocast(cfg: Config, device: torch.device):
-    # bf16 autocast on CUDA only: on the CPU the run stays fp32 so that every
-    # strategy can be checked against `single` to 1e-4.
-    use_bf16 = device.type == "cuda" and cfg.trainer.precision in ("auto", "bf16")
-    return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    """bf16 autocast on the run's device under trainer.precision=bf16 (auto: on CUDA only, so that on the CPU
+    every strategy is checked against `single` in fp32 to 1e-4); Note [mixed precision] in
+    parallel/strategies/data.py."""
+    if not bf16_run(cfg):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 class Engine:
@@ -53,6 +57,7 @@ class Engine:
     holds_loss: bool = True
     loss_group = None
     wants_next_input: bool = False
+    state_sharding = None
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """This rank's part of the step's global loss (summed over the loss group: the loss); gradients are
@@ -156,11 +161,13 @@ class LocalEngine(Engine):
         sequence: context parallelism's layout (parallel.strategies.context.SequenceShard): each batch is cut to
             this rank's chunks of every sequence, inputs and targets alike, and the model is told their
             positions (`position_ids`); None: whole sequences.
+        state_sharding: ZeRO 1's layout of the optimizer state (parallel.optim.StateSharding), or None.
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, loss: Loss, loss_group, device: torch.device, sequence=None):
+    def __init__(self, model: nn.Module, cfg: Config, loss: Loss, loss_group, device: torch.device, sequence=None,
+                 state_sharding=None):
         self.model, self.cfg, self.loss, self.loss_group, self.device = model, cfg, loss, loss_group, device
-        self.sequence = sequence
+        self.sequence, self.state_sharding = sequence, state_sharding
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (x, y) if self.sequence is None else (self.sequence.shard(x), self.sequence.shard(y))

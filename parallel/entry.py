@@ -3,6 +3,7 @@
     ConfigError         `config error: ...` in one line (rank 0 only under torchrun), exit status 2
     RunError            `error: ...` in one line, exit status 1
     WorkerFailed        the failed worker's traceback once, then `error: worker rank R failed: ...`, exit 1
+    Reported            the failed workers have said why, one line each (out of GPU memory): nothing more, exit 1
     Interrupted, Ctrl-C `interrupted ...` in one line, exit status 130
     Preempted           `preempted (SIGTERM): saved step N in ...` in one line, exit status 75 (Note [preemption])
     any other error     in a torchrun worker: one line (torchrun's summary has the traceback), exit 1;
@@ -18,7 +19,7 @@ import traceback
 from typing import Callable, NoReturn
 
 from parallel.config import ConfigError, RunError
-from parallel.launcher import Interrupted, WorkerFailed, ran_a_worker, report_worker_error, under_torchrun
+from parallel.launcher import Interrupted, Reported, WorkerFailed, ran_a_worker, report_worker_error, under_torchrun
 from parallel.preemption import PREEMPTED, Preempted
 
 
@@ -43,6 +44,8 @@ def reported(main: Callable) -> Callable:
             sys.exit(1)
         except WorkerFailed as e:
             print(f"{e.traceback}\nerror: {e}", file=sys.stderr)
+            sys.exit(1)
+        except Reported:
             sys.exit(1)
         except Interrupted as e:
             print(e, file=sys.stderr)

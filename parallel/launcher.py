@@ -42,6 +42,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from parallel import preemption
 from parallel.config import ConfigError, from_dict
 from parallel.dims import device_for_rank
+from parallel.memory.oom import OUT_OF_MEMORY, OutOfMemory
 from parallel.metrics import log, setup_logging
 from parallel.trainer import run_training
 
@@ -77,6 +78,8 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
         nproc: how many workers.
     Raises:
         WorkerFailed: naming the first failed rank and its error.
+        Reported: workers ran out of GPU memory and said so, one line each (Note [out of memory]).
+        OutOfMemory: the single worker (nproc=1) ran out of GPU memory: its one line.
         Interrupted: Ctrl-C or a signal stopped the workers.
         Preempted: a preemption signal stopped every worker after a checkpoint (Note [preemption]).
     """
@@ -128,6 +131,8 @@ def _start_workers(cfg_dict: dict, run_dir: str, nproc: int) -> None:
             raise Interrupted(f"interrupted ({signame}): every worker stopped; checkpoints complete so far are "
                               f"in {run_dir}") from None
         rank, failure = e.get_first_failure()
+        if OUT_OF_MEMORY in codes and not _failure_traceback(failure):
+            raise Reported("a worker ran out of GPU memory") from None  # its line is out (Note [out of memory])
         raise WorkerFailed(rank, _failure_message(failure), _failure_traceback(failure)) from None
     finally:
         agent_log.setLevel(level)
@@ -166,6 +171,11 @@ def _forked_worker(agent_log: logging.Logger, level: int):
 
 class Interrupted(Exception):
     """Ctrl-C or a signal stopped the run's workers; the message says where its checkpoints are."""
+
+
+class Reported(Exception):
+    """The failed workers have said why, one line each (Note [out of memory]): the run ends with exit status 1
+    and nothing more."""
 
 
 class WorkerFailed(RuntimeError):
@@ -208,6 +218,9 @@ def worker(cfg_dict: dict, run_dir: str | None, proposed: str | None = None) -> 
         # Ctrl-C reaches every worker; the launcher says so once. A checkpoint being
         # written stays unfinished, and is skipped (Note [atomic checkpoint]).
         sys.exit(130)
+    except OutOfMemory as e:  # each rank that ran out says so, in one line and no traceback (Note [out of memory])
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(OUT_OF_MEMORY)
     except Exception as e:
         if not lost_peer(e):
             raise  # recorded (@record) for the launcher's report of the first failure
@@ -366,3 +379,12 @@ def check_world_size(nproc: int | None, started_by: str | None = None) -> int:
                               f"drop nproc (the launcher sets the world size)")
         return world
     return 1 if nproc is None else nproc
+
+
+def local_processes(world: int, started_by: str | None) -> int | None:
+    """The workers of this run on this machine (parallel.dims.check_gpus): all of them when this process starts
+    them; else the launcher's LOCAL_WORLD_SIZE (torchrun and the SLURM job set it; None when unset)."""
+    if started_by is None:
+        return world
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None

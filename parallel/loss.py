@@ -14,7 +14,8 @@ count of counted targets over the global batch:
 
 - N is counted once per step, before the first forward, from the targets every rank already has (a pipeline
   reads the batch on every stage): this rank's count, summed over the data-parallel ranks by one scalar
-  all-reduce. Float targets (regression) count every element, so their N is this rank's count x dp and needs
+  all-reduce, started before the first forward and waited for where the first microbatch's loss divides by
+  N, so that it runs beside that forward instead of before it. Float targets (regression) count every element, so their N is this rank's count x dp and needs
   no collective. N is at least 1 (a batch of padding only gives loss 0, not NaN).
 - The data-parallel ranks here are all those holding the same dense weights, dp x ep x cp (Note [mesh
   dimensions] in parallel/dims.py): dp and ep ranks hold different samples, and cp ranks different tokens of
@@ -131,7 +132,8 @@ class Loss:
         self.args = dict(c.args)
         self.classifies = task in ("classification", "lm")
         self.scale = 1  # what each contribution is multiplied by in backward: the gradient-averaging degree
-        self.total: torch.Tensor | None = None  # N of the step being trained
+        self._total: torch.Tensor | None = None  # N of the step being trained (`total`)
+        self._summing = None  # the all-reduce of this step's count, while it runs beside the forward
         self.aux_weight: float | None = None  # one sample's auxiliary term's weight in this step (aux_sample_weight)
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
@@ -153,15 +155,30 @@ class Loss:
         the degree the gradients are averaged over (Note [global loss])."""
         self.scale = scale
         size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        self._wait()  # a stage that never used the last step's count: its all-reduce ends before the next one
         total = self.count(targets)
         if size > 1:
             if targets.is_floating_point():
                 total = total * size
             else:
-                dist.all_reduce(total, group=group)
-        self.total = total.clamp(min=1)
+                # Summed while the first microbatch's forward runs; `total` waits for it where the loss needs
+                # it, so the count costs a step no more than the forward's time does.
+                self._summing = dist.all_reduce(total, group=group, async_op=True)
+        self._total = total if self._summing is not None else total.clamp(min=1)
         self.aux_weight = scale / (targets.shape[0] * size)
         _stepping[0] = weakref.ref(self)
+
+    @property
+    def total(self) -> torch.Tensor | None:
+        """N, the counted targets of the step's whole global batch (at least 1); None before the first step."""
+        self._wait()
+        return self._total
+
+    def _wait(self) -> None:
+        if self._summing is not None:
+            self._summing.wait()
+            self._summing = None
+            self._total = self._total.clamp(min=1)
 
     def __call__(self, out, targets: torch.Tensor) -> torch.Tensor:
         """A microbatch's contribution to the step's loss, times `scale`: what backward differentiates."""

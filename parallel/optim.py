@@ -15,18 +15,18 @@ tensor and pipeline parallelism each piece is looked up by the name of the
 tensor it is a piece of; a tied weight by its first name): `optim.no_decay`
 sets weight_decay 0, `optim.lr_scale` multiplies lr. Parameters with the same
 (decay, scale) share one group, in model order; without either key there is
-one group, as before. ZeRO-1's ZeroRedundancyOptimizer takes the class and
-the groups and shards each group's state over data-parallel ranks.
+one group, as before. ZeRO 1's ShardedOptimizer takes the class and the
+groups and shards their state over data-parallel ranks (Note [ZeRO 1]).
 """
 from __future__ import annotations
 
 import fnmatch
 import inspect
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from parallel.config import Config, OptimConfig, fail, import_target, lr_scales
@@ -118,25 +118,113 @@ def param_names(modules: list[nn.Module], canonical: dict[str, str]) -> dict[int
     return {id(p): canonical.get(fqn, fqn) for m in modules for fqn, p in m.named_parameters()}
 
 
-def build_optimizer(model: nn.Module, names: dict[int, str], cfg: Config, dp_group=None) -> torch.optim.Optimizer:
-    """The configured optimizer over the trainable parameters; with strategy.zero=1 its state is sharded over dp.
+def build_optimizer(model: nn.Module, names: dict[int, str], cfg: Config,
+                    sharding: StateSharding | None = None) -> torch.optim.Optimizer:
+    """The configured optimizer over the trainable parameters, its state sharded when the strategy asks.
 
     Args:
         model: the parallelized model.
         names: id(parameter) -> unpartitioned name (`param_names`), for the groups.
-        cfg: the run config (optim.*, strategy.zero).
-        dp_group: the data-parallel process group (for zero=1).
+        cfg: the run config (optim.*).
+        sharding: the engine's `state_sharding` (ZeRO 1, Note [ZeRO 1]); None: every rank keeps its
+            parameters' whole state.
     """
     o = cfg.optim
     cls = optimizer_class(o)
     kwargs = optimizer_kwargs(o, cls)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = param_groups(params, names, o, decay="weight_decay" in kwargs)
-    if cfg.strategy.name == "data" and cfg.strategy.zero == 1:
-        # ZeRO stage 1: each rank keeps the state for its share of the
-        # parameters, steps them, and broadcasts the updated values.
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=dp_group, **kwargs)
+    dtensors = {isinstance(p, DTensor) for p in params}
+    if dtensors == {True, False} and "foreach" in inspect.signature(cls.__init__).parameters \
+            and "foreach" not in o.args:
+        # Tensor parallelism leaves plain tensors beside its DTensors (the layers its plan does not split): a
+        # group holding both cannot go through one multi-tensor kernel, which CUDA would pick by default
+        # ("mixed torch.Tensor and DTensor"); the CPU's default is this one-tensor-at-a-time form already.
+        kwargs["foreach"] = False
+    if sharding is not None:
+        return ShardedOptimizer(groups, cls, kwargs, sharding)
     return cls(groups, **kwargs)
+
+
+@dataclass
+class StateSharding:
+    """ZeRO 1: the process group a parameter's optimizer state is sharded over (the ranks that hold the same
+    parameter): `group`, or its own in `own` (id(parameter) -> group; experts: their dp ranks)."""
+
+    group: object
+    own: dict[int, object] = field(default_factory=dict)
+
+    def group_of(self, p: torch.Tensor):
+        return self.own.get(id(p), self.group)
+
+
+# Note [ZeRO 1]
+# ShardedOptimizer keeps the optimizer state of each parameter on one rank of the ranks that hold that
+# parameter (its StateSharding group). Every rank has the whole gradients (DDP or FSDP2's replicate reduced
+# them); each steps the parameters it owns with its own optimizer (`.optim`, the class and groups the user
+# chose), then each owner broadcasts its updated parameters, one flat buffer per owner and dtype, so every
+# rank ends the step with the same weights. Owners are picked greedily, largest parameter first, to balance
+# the state's bytes; the order is the model's, the same on every rank.
+# Not torch's ZeroRedundancyOptimizer: it broadcasts `param.data`, which is no plain tensor for the DTensor
+# parameters of tensor parallelism and FSDP2's replicate; here the broadcast is of the local tensors (ranks of
+# one group hold the same local shapes), so ZeRO 1 works wherever strategy.zero is accepted. Checkpoints,
+# the memory watch and the planner read this rank's share through `.optim`, as they read
+# ZeroRedundancyOptimizer's.
+class ShardedOptimizer(torch.optim.Optimizer):
+    """`cls(groups, **kwargs)` with each parameter's state on one rank of its group (Note [ZeRO 1]).
+
+    The learning-rate schedule and checkpoints set the groups' values here (`param_groups`, every parameter);
+    each step hands them to the rank's own optimizer.
+    """
+
+    def __init__(self, groups: list[dict], cls: type, kwargs: dict, sharding: StateSharding):
+        super().__init__(groups, kwargs)
+        load: dict[object, list[int]] = {}
+        self.owned: list[tuple[torch.Tensor, object, int]] = []  # (parameter, group, owner's rank in it)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p in sorted(params, key=lambda t: -_local(t).numel()):  # stable: model order among equals
+            group = sharding.group_of(p)
+            sizes = load.setdefault(group, [0] * dist.get_world_size(group))
+            owner = min(range(len(sizes)), key=sizes.__getitem__)
+            sizes[owner] += _local(p).numel()
+            self.owned.append((p, group, owner))
+        mine = {id(p) for p, group, owner in self.owned if owner == dist.get_rank(group)}
+        local = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"]
+                                                                             if id(p) in mine]}
+                 for g in self.param_groups]
+        self.optim = cls(local, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update({k: v for k, v in group.items() if k != "params"})
+        loss = self.optim.step(closure)
+        for group in dict.fromkeys(g for _, g, _ in self.owned):  # each group in order, once
+            self._broadcast(group)
+        return loss
+
+    def _broadcast(self, group) -> None:
+        """Each owner's updated parameters of `group` to the group's other ranks, a flat buffer per owner and
+        dtype."""
+        buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        for p, g, owner in self.owned:
+            if g is group:
+                t = _local(p)
+                buckets.setdefault((owner, t.dtype), []).append(t)
+        me, ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
+        for (owner, _), tensors in buckets.items():
+            flat = torch.cat([t.reshape(-1) for t in tensors]) if owner == me else \
+                torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+            dist.broadcast(flat, src=ranks[owner], group=group)
+            if owner != me:
+                for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+                    t.copy_(piece.view_as(t))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's tensor on this rank (a DTensor's local piece)."""
+    p = p.data if isinstance(p, nn.Parameter) else p
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 @torch.no_grad()

@@ -1,8 +1,10 @@
 """What the planner hands a run through its Runtime (Note [runtime]) in place of the real things, which cannot
-run on fake tensors: the offload engine's threads run inline, its tiers count the bytes they would move, and DDP
-is a stand-in that adds its gradient buckets (Note [planner] in parallel/planner.py)."""
+run on fake tensors: the offload engine's threads run inline, its tiers count the bytes they would move (and,
+planning for CUDA, the pinned host memory they would hold), and DDP is a stand-in that adds its gradient buckets
+(Note [planner] in parallel/planner.py)."""
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 
 import torch
@@ -13,21 +15,23 @@ from torch.utils._python_dispatch import _disable_current_modes
 from parallel.offload.activations import ActivationStore
 from parallel.offload.engine import OffloadIO
 from parallel.offload.tiers import DiskTier
+from parallel.plan_cuda import pinned
 from parallel.tensors import local_bytes
 
 
 class InlineExecutor:
     """Runs what the offload engine hands its threads at once, on the calling thread: fake tensors
     cannot be used by two threads at a time. Outside the trackers, as on a thread of its own, where the
-    trainer's measurement (thread-local) does not see it either."""
+    trainer's measurement (thread-local) does not see it either; `watched`: inside them, as CUDA's
+    allocator counts what every thread allocates (Note [planning for CUDA] in parallel/plan_cuda.py)."""
 
-    def __init__(self, *args, **kwargs):
-        pass
+    def __init__(self, *args, watched: bool = False, **kwargs):
+        self.watched = watched
 
     def submit(self, fn, *args, **kwargs):
         future = Future()
         try:
-            with _disable_current_modes():
+            with contextlib.nullcontext() if self.watched else _disable_current_modes():
                 future.set_result(fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - handed to the caller, as a thread's future would
             future.set_exception(e)
@@ -41,13 +45,13 @@ class CountingIO(OffloadIO):
     """strategy=offload with its transfers left out: fake tensors have no bytes to write or read. What
     stays on the device (its buffer pool, what the step allocates) is what the plan counts; an activation
     read back is a new tensor of its shape, as the real read allocates one. Bytes that would move are
-    counted (for strategy=auto's cost model)."""
+    counted (for strategy=auto's cost model), and so is the pinned host memory the cpu tier would hold under
+    a GPU (`pinned`: now and at most; Note [planning for CUDA] in parallel/plan_cuda.py)."""
 
     def __init__(self):
-        moved = self.moved = [0]
-
-        def count(t: torch.Tensor) -> None:
-            moved[0] += t.numel() * t.element_size()
+        self.moved = [0]
+        self.pinned = [0, 0]  # pinned host bytes: now, at most
+        count, pin, unpin = self.count, self.pin, self.unpin
 
         class Disk(DiskTier):
             def write(self, key, src):
@@ -56,33 +60,85 @@ class CountingIO(OffloadIO):
             def read(self, key, dst):
                 count(dst)
 
+        class Host:
+            """The cpu tier under a GPU (parallel.offload.tiers.HostTier): a pinned buffer per key."""
+
+            name = "cpu"
+
+            def __init__(self, device, counters):
+                self.host: dict[str, int] = {}
+
+            def write(self, key, src):
+                if key not in self.host:
+                    self.host[key] = pin(src.numel() * src.element_size())
+                count(src)
+
+            def read(self, key, dst):
+                count(dst)
+
+            def close(self):
+                for nbytes in self.host.values():
+                    unpin(nbytes)
+                self.host.clear()
+
         class Activations(ActivationStore):
             def _write(self, h, src):
                 count(src)
+                if self.fd is None:  # pinned host memory under a GPU, until read back
+                    self.host[h.offset] = pin(h.nbytes)
 
             def _start_read(self, h):
                 h.tensor, h.pending = torch.empty(h.shape, dtype=h.dtype, device=self.device), None
                 count(h.tensor)
+                if self.fd is None:
+                    unpin(self.host.pop(h.offset))
 
-        self.disk_tier, self.activation_store = Disk, Activations
+            def close(self):
+                for nbytes in self.host.values():  # pinned copies never read back
+                    unpin(nbytes)
+                self.host.clear()
+                super().close()
+
+        self.disk_tier, self.host_tier, self.activation_store = Disk, Host, Activations
+
+    def count(self, t: torch.Tensor) -> None:
+        """`t`'s bytes would move."""
+        self.moved[0] += t.numel() * t.element_size()
+
+    def pin(self, nbytes: int) -> int:
+        """A pinned host buffer of `nbytes` is made (returns `nbytes`)."""
+        self.pinned[0] += pinned(nbytes)
+        self.pinned[1] = max(self.pinned[1], self.pinned[0])
+        return nbytes
+
+    def unpin(self, nbytes: int) -> None:
+        """A pinned host buffer of `nbytes` is let go."""
+        self.pinned[0] -= pinned(nbytes)
 
 
 class DDPStandIn:
     """DDP cannot run on fake tensors (its C++ reducer checks and hooks read tensor data), so while
     planning its `replicate` (the runtime's) leaves the model as it is and the plan adds what DDP itself holds: its gradient
     buckets, one flat copy of the trainable parameters' gradients, alive for the whole run, and what it
-    sends: the buckets all-reduced over the group it was given."""
+    sends: the buckets all-reduced over the group it was given (in bf16 under trainer.reduce_precision=bf16:
+    half the bytes, Note [mixed precision] in parallel/strategies/data.py)."""
 
     def __init__(self):
-        self.models: list[tuple[nn.Module, int]] = []  # each with the size of its data-parallel group
+        self.models: list[tuple[nn.Module, int, int]] = []  # each with its group's size and the bytes it sends per 4
 
-    def replicate(self, model: nn.Module, device_mesh=None, **kwargs) -> nn.Module:
-        self.models.append((model, device_mesh.size() if device_mesh is not None else dist.get_world_size()))
+    def replicate(self, model: nn.Module, device_mesh=None, reduce_dtype: torch.dtype = torch.float32,
+                  **kwargs) -> nn.Module:
+        world = device_mesh.size() if device_mesh is not None else dist.get_world_size()
+        self.models.append((model, world, torch.empty((), dtype=reduce_dtype).element_size()))
         return model
 
+    def _bytes(self, model: nn.Module) -> int:
+        return sum(local_bytes(p) for p in model.parameters() if p.requires_grad)
+
     def buckets(self) -> list[tuple[int, int]]:
-        """(bucket bytes, the group's size) per replicated model."""
-        return [(sum(local_bytes(p) for p in m.parameters() if p.requires_grad), world) for m, world in self.models]
+        """(bytes all-reduced, the group's size) per replicated model."""
+        return [(self._bytes(m) * size // 4, world) for m, world, size in self.models]
 
     def bucket_bytes(self) -> int:
-        return sum(size for size, _ in self.buckets())
+        """The buckets DDP holds: fp32, as the gradients."""
+        return sum(self._bytes(m) for m, _, _ in self.models)

@@ -62,9 +62,9 @@ run for real while planning (up to 2**20 elements an op): positions, and what
 follows from them alone, are the same in every run, and the model reads them
 as the real run does. Data, weights and random numbers stay fake.
 
-Not covered: the CUDA caching allocator's rounding and fragmentation (the
-plan counts tensors, as the CPU measurement does); memory a strategy holds
-outside tensors.
+A CUDA run (trainer.device=cuda, from any host) is planned on the CPU as
+well, with what CUDA holds besides put back: Note [planning for CUDA] in
+parallel/plan_cuda.py. Not covered: memory a strategy holds outside tensors.
 """
 from __future__ import annotations
 
@@ -90,10 +90,12 @@ from parallel.loss import end_steps
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
 from parallel.plan_comm import CommBytes, ring_all_reduce_bytes
+from parallel.plan_cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
 from parallel.plan_standins import CountingIO, DDPStandIn, InlineExecutor
 from parallel.runtime import Runtime
 from parallel.shape_values import ShapeValues
 from parallel.tensors import local_bytes, plain_tensors
+from parallel.torch_compat import settle_autograd_threads
 from parallel.torch_patches import meshes_outside_fake, sends_held_by_their_works, static_pipeline_warmup
 from parallel.trainer import build_run
 
@@ -132,15 +134,22 @@ class RankPlan:
     comm_bytes: int = 0  # sent by collectives and point-to-point sends, as what leaves the rank (Note [comm bytes])
     all_to_all_bytes: int = 0  # of which all-to-alls send to other ranks (expert parallelism: Note [auto])
     io_bytes: int = 0  # moved to and from offload's tiers
+    # Planned for CUDA (Note [planning for CUDA] in parallel/plan_cuda.py), else 0 and empty:
+    workspaces: int = 0  # cuBLAS workspaces live at the peak (in temp)
+    rounding: int = 0  # what the caching allocator's 512-byte rounding adds at the peak (in the kinds)
+    host_pinned: int = 0  # pinned host memory offload's cpu tier holds at most: the host's, not in total
+    fp32_on_cuda: dict = field(default_factory=dict)  # op -> calls a step, run in fp32 as CUDA's autocast does
 
 
 class _PeakTracker(LiveTensorBytes):
     """Live tensor bytes, sorted into kinds at the peak, with the phase and module of the peak."""
 
-    def __init__(self, device_type: str, model: nn.Module, optimizer, engine, gloo: bool = True):
-        super().__init__(device_type)
+    def __init__(self, device_type: str, model: nn.Module, optimizer, engine, cuda: CudaAccount | None = None):
+        super().__init__(device_type, block=BLOCK if cuda is not None else 1)  # the caching allocator's rounding
         self.model, self.optimizer, self.engine = model, optimizer, engine
-        self.gloo = gloo  # the real run's process group is gloo (a CPU run)
+        self.cuda = cuda  # planned for CUDA: its workspaces and ops (Note [planning for CUDA])
+        self.gloo = cuda is None  # the real run's process group is gloo (a CPU run)
+        self.raw, self.workspaces = 0, 0  # at the peak: the storages' bytes unrounded, the cuBLAS workspaces'
         self.phase = "setup"
         self.modules: list[str] = []  # names of the modules running, innermost last
         self.saved: dict[int, weakref.ref] = {}  # storages autograd saved
@@ -166,7 +175,12 @@ class _PeakTracker(LiveTensorBytes):
             return args[0]
         if func is torch.ops.c10d._reduce_scatter_base_.default and self.gloo:
             self._held_while_running(args[1])
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        made = self.cuda.see(func) if self.cuda is not None else None
+        if made is not None:  # the thread's first cuBLAS call allocates its workspace
+            self._add(made)
+            self._update()
+        return out
 
     def _held_while_running(self, t: torch.Tensor) -> None:
         """Gloo reduce-scatters a copy of the whole input: one more storage of its size while it runs."""
@@ -192,12 +206,16 @@ class _PeakTracker(LiveTensorBytes):
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
         opt = self._storages(t for s in optimizer.state.values() for t in s.values())
         opt |= self._storages(self.engine.optimizer_tensors())
+        workspaces = self._storages(self.cuda.workspaces.values()) if self.cuda is not None else set()
         kinds = dict.fromkeys(KINDS, 0)
+        self.raw, self.workspaces = 0, 0
         for key, ref in self._refs.items():
             st = ref()
             if st is None:
                 continue
-            n = st.nbytes()
+            n = self.size(st)
+            self.raw += st.nbytes()
+            self.workspaces += n if key in workspaces else 0
             if key in params:
                 kinds["params"] += n
             elif key in grads:
@@ -283,11 +301,12 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
 
 
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False) -> RankPlan:
-    """One training step of `rank`, under fake tensors and a fake process group (Note [planner])."""
+    """One training step of `rank`, under fake tensors and a fake process group (Note [planner]); for a CUDA
+    run, with what CUDA holds besides (Note [planning for CUDA] in parallel/plan_cuda.py)."""
     # The fake backend registers itself on import; it lives in torch's testing package (heavy: only here).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    device = torch.device("cpu")
+    device, cuda = torch.device("cpu"), cuda_run(cfg.trainer.device)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         # Outside the fake mode: the mesh (its setup reads values) and the meta model (moving a model
@@ -301,45 +320,61 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                             batch.size())
         ddp, io = DDPStandIn(), CountingIO()
         runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
-                          executor=lambda workers, name: InlineExecutor(), replicate=ddp.replicate,
+                          executor=lambda workers, name: InlineExecutor(watched=cuda), replicate=ddp.replicate,
                           check_disk=False, offload_io=io,  # the plan may be for another machine's disk
                           values=Blank(),  # fake tensors hold no values
-                          compile=False)  # planned as the eager run: Note [regional compilation]
+                          compile=False,  # planned as the eager run: Note [regional compilation]
+                          target=torch.device("cuda") if cuda else None)
+        settle_autograd_threads()  # before the step's backward on fake tensors: Note [autograd threads and fork]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
+        account = CudaAccount(fake, cublas_workspace()[0]) if cuda else None
         with fake, ShapeValues(fake), static_pipeline_warmup(), sends_held_by_their_works(), meshes_outside_fake():
             run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=data)
+            if cuda:
+                foreach_as_on_cuda(run.optimizer)
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
             # (weights, optimizer state, the engine's buffers), plus what it makes. The first step makes
             # the optimizer state; the second holds it, as every later step does.
             flops, comm = Flops(), CommBytes()
-            counted = [_count_step(run, step, flops, comm, by_module) for step in (1, 2)]
+            counted = [_count_step(run, step, flops, comm, by_module, account) for step in (1, 2)]
             tracker, modules = max(counted, key=lambda tm: tm[0].peak)
-            flops_per_step, ops_per_step = flops.total // 2, flops.ops // 2
             comm.bytes //= 2
             comm.all_to_all //= 2
-            moved = io.moved[0] // 2
             run.engine.close()
     finally:
         end_steps()  # the planned step's Loss must not weigh a later model's auxiliary terms
         dist.destroy_process_group()
+    return _rank_plan(rank, tracker, modules, flops, comm, ddp, io, account)
+
+
+def _rank_plan(rank: int, tracker, modules, flops, comm, ddp: DDPStandIn, io: CountingIO,
+               cuda: CudaAccount | None) -> RankPlan:
+    """The RankPlan of a planned role: its peak step's breakdown, DDP's buckets added, and the work of a step
+    (the mean of the two planned)."""
     k = tracker.kinds
     buckets = ddp.bucket_bytes()
-    k["grads"] += buckets
+    held = allocated(buckets) if cuda is not None else buckets
+    k["grads"] += held
     rows = [asdict(r) | {"total": r.total} for r in modules.table()] if modules is not None else []
     return RankPlan(rank=rank, same_as=[], params=k["params"], grads=k["grads"], optimizer=k["optimizer"],
-                    activations=k["activations"], temp=k["temp"], total=tracker.peak + buckets,
+                    activations=k["activations"], temp=k["temp"], total=tracker.peak + held,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
-                    flops=flops_per_step, ops=ops_per_step,
+                    flops=flops.total // 2, ops=flops.ops // 2,
                     comm_bytes=comm.bytes + sum(ring_all_reduce_bytes(b, w) for b, w in ddp.buckets()),
-                    all_to_all_bytes=comm.all_to_all, io_bytes=moved)
+                    all_to_all_bytes=comm.all_to_all, io_bytes=io.moved[0] // 2,
+                    workspaces=tracker.workspaces, host_pinned=io.pinned[1],
+                    rounding=tracker.peak - tracker.raw + held - buckets if cuda is not None else 0,
+                    fp32_on_cuda={k: n // 2 for k, n in cuda.fp32_on_cuda.items()} if cuda is not None else {})
 
 
-def _count_step(run, step: int, flops, comm, by_module: bool):
-    """One training step under a fresh tracker (and the module watch with `by_module`): (tracker, watch)."""
-    tracker = _PeakTracker(run.device.type, run.engine.model, run.optimizer, run.engine,
-                           gloo=not cuda_run(run.cfg.trainer.device))
+def _count_step(run, step: int, flops, comm, by_module: bool, cuda: CudaAccount | None = None):
+    """One training step under a fresh tracker (and the module watch with `by_module`): (tracker, watch).
+    `cuda`: planned for CUDA, the account of its workspaces (kept from the step that made them)."""
+    tracker = _PeakTracker(run.device.type, run.engine.model, run.optimizer, run.engine, cuda=cuda)
     tracker.track(state_tensors(run.engine.model, run.optimizer))
     tracker.track(run.engine.kept_tensors())
+    if cuda is not None:
+        tracker.track(cuda.workspaces.values())
     modules = _ModuleWatch(run.engine.model, tracker) if by_module else None
 
     def pack(t):
@@ -354,6 +389,8 @@ def _count_step(run, step: int, flops, comm, by_module: bool):
         stack.enter_context(flops)
         stack.enter_context(comm)
         stack.enter_context(tracker)
+        if cuda is not None:
+            stack.enter_context(cuda.autocast_as_on_cuda())
         _phased_step(run, tracker, step)
     return tracker, modules
 

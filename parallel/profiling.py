@@ -26,7 +26,9 @@ sends and receives, and every op.
 `trainer.memory_snapshot=true` records the CUDA caching allocator's history
 from the start of the training loop (`torch.cuda.memory._record_memory_history`)
 and dumps it to `<run_dir>/memory_snapshot/rank<N>.pickle` when a step runs out
-of memory and at the end; https://pytorch.org/memory_viz reads it. What was
+of memory (an evaluation or a checkpoint too: the out-of-memory line names it,
+Note [out of memory] in parallel/memory/oom.py) and at the end;
+https://pytorch.org/memory_viz reads it. What was
 allocated before the loop (the weights) is in the snapshot's segments, without
 the stack that allocated it. The CPU keeps no such history: a warning, and
 nothing is recorded.
@@ -47,6 +49,7 @@ from parallel.config import TrainerConfig, fail
 log = logging.getLogger("parallel")
 
 _profiling = False  # whether this process's profiler runs now (read by `phase`, set by StepProfiler)
+_dumped_on_oom: Path | None = None  # the snapshot a step that ran out of memory dumped (`snapshot_after_oom`)
 
 
 def active() -> bool:
@@ -131,6 +134,10 @@ class StepProfiler:
         log.info("profile of steps %d..%d: %s", self.first, self.last, self.path)
 
 
+def snapshot_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "memory_snapshot" / f"rank{rank}.pickle"
+
+
 class MemorySnapshot:
     """The CUDA caching allocator's history, dumped to `path` (CUDA only: Note [profiles])."""
 
@@ -140,9 +147,7 @@ class MemorySnapshot:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     def dump(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(self.path))
-        log.info("memory snapshot: %s", self.path)
+        _dump_snapshot(self.path)
 
     def close(self) -> None:
         self.dump()
@@ -159,7 +164,7 @@ class Profiling:
             if t.profile else None
         self.snapshot = None
         if t.memory_snapshot and device.type == "cuda":
-            self.snapshot = MemorySnapshot(run_dir / "memory_snapshot" / f"rank{rank}.pickle")
+            self.snapshot = MemorySnapshot(snapshot_path(run_dir, rank))
         elif t.memory_snapshot:
             log.warning("trainer.memory_snapshot=true: the CUDA allocator's history; this run is on the %s, "
                         "nothing is recorded", device.type)
@@ -172,7 +177,8 @@ class Profiling:
         except torch.cuda.OutOfMemoryError:
             if self.snapshot is not None:
                 self.snapshot.close()  # the history up to the failed allocation
-                self.snapshot = None
+                global _dumped_on_oom
+                _dumped_on_oom, self.snapshot = self.snapshot.path, None
             raise
 
     def close(self) -> None:
@@ -180,3 +186,22 @@ class Profiling:
             self.profiler.stop()
         if self.snapshot is not None:
             self.snapshot.close()
+
+
+def _dump_snapshot(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.memory._dump_snapshot(str(path))
+    log.info("memory snapshot: %s", path)
+
+
+def snapshot_after_oom(t: TrainerConfig, run_dir: Path, device: torch.device, rank: int) -> Path | None:
+    """The memory snapshot of an out-of-memory (Note [out of memory] in parallel/memory/oom.py): the one the
+    failed step dumped (`Profiling.step`), else one dumped now (an OOM outside a step: an evaluation, a
+    checkpoint); None without trainer.memory_snapshot=true on CUDA."""
+    if not (t.memory_snapshot and device.type == "cuda"):
+        return None
+    if _dumped_on_oom is not None:
+        return _dumped_on_oom
+    path = snapshot_path(run_dir, rank)
+    _dump_snapshot(path)
+    return path

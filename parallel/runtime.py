@@ -50,6 +50,9 @@ class Runtime:
             [initial values]); None: by name from trainer.seed (parallel.init.values.ByName).
         compile: trainer.compile may compile the blocks; the planner plans the eager run (Note [regional
             compilation] in parallel/strategies/compile.py).
+        target: the device the run is for, when the step runs on another: the planner's CPU plan of a CUDA
+            run (Note [planning for CUDA] in parallel/plan_cuda.py), whose offload tiers are chosen as under a
+            GPU; None: `device`.
     """
 
     device: torch.device = torch.device("cpu")
@@ -63,3 +66,4 @@ class Runtime:
     offload_io: Any = None
     values: Any = None
     compile: bool = True
+    target: torch.device | None = None

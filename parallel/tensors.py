@@ -10,6 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from parallel.torch_compat import settle_autograd_threads
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a DTensor (tensor- or data-parallel), or the tensor itself."""
@@ -42,6 +44,7 @@ def faking():
     if detect_fake_mode() is not None:
         yield
         return
+    settle_autograd_threads()  # before a backward on fake tensors: Note [autograd threads and fork]
     with FakeTensorMode(allow_non_fake_inputs=True):
         yield
 

@@ -1,5 +1,5 @@
 """The patches of PyTorch's private internals the planner and the pipeline's evaluation need, in one place,
-and why (checked on torch 2.13).
+and why (checked on torch 2.11-2.15: Note [torch versions] in parallel/torch_compat.py).
 
 The planner (Note [planner] in parallel/planner.py) runs the real training step
 on fake tensors and a fake process group. Everything of the project's that must
@@ -19,18 +19,24 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import schedules
-from torch.distributed.pipelining._utils import InferenceMode
+
+from parallel import torch_compat
 
 
 @contextlib.contextmanager
 def static_pipeline_warmup():
-    """Pipeline schedules begin a step with a warm-up exchange between neighbouring stages that reads a
-    received value (`_PipelineSchedule._warmup_p2p`); under a fake process group nothing is received. The
-    planner's stages are given their shapes (Runtime.static_shapes), so every stage is told its shapes are
-    static instead."""
+    """Pipeline schedules of torch 2.12-2.14 begin a step with a warm-up vote between neighbouring stages that
+    reads a received value (`_PipelineSchedule._warmup_p2p`); under a fake process group nothing is received.
+    The planner's stages are given their shapes (Runtime.static_shapes), so every stage is told its shapes are
+    static instead. torch 2.11 and 2.15 hold no such vote (Note [torch versions]): nothing is patched."""
+    if not torch_compat.has("pipeline_warmup_vote"):
+        yield
+        return
+    inference_mode = torch_compat.find("torch.distributed.pipelining._utils:InferenceMode")
+
     def warmup(self, stages, has_backward, p2p_done):
         for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
+            stage._inference_mode = inference_mode.STATIC
 
     saved = schedules._PipelineSchedule._warmup_p2p
     schedules._PipelineSchedule._warmup_p2p = warmup
@@ -95,10 +101,12 @@ def forward_only_actions(schedule):
     included, and a backward between two stages of one rank fails without a backward ("can't steal_bwd_input
     if this stage doesn't have backward"). For the enclosed evaluation the schedule's lowered action list
     keeps only the forward work: forwards (those inside an overlapped forward-backward as well), their sends
-    and receives, and FSDP's unshard and reshard. Dropping actions only removes waits, so the forward order
+    (and, on torch 2.15, the sends' waits) and receives, and FSDP's unshard and reshard. Dropping actions only removes waits, so the forward order
     stays free of deadlocks. Other schedules' `eval()` works as it is."""
     t = schedules._ComputationType
     keep = {t.FORWARD, t.SEND_F, t.RECV_F, t.UNSHARD, t.RESHARD}
+    if hasattr(t, "WAIT_SEND_F"):  # torch 2.15 waits for each send in an action of its own
+        keep.add(t.WAIT_SEND_F)
 
     def forward(actions):
         for a in actions:

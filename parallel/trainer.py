@@ -20,11 +20,12 @@ from omegaconf import OmegaConf
 from parallel import checkpoint, evaluation, preemption
 from parallel.config import Config
 from parallel.data import DataSource, build_data, build_eval_data
-from parallel.dims import ParallelDims, batch_mesh, data_mesh
+from parallel.dims import ParallelDims, batch_mesh
 from parallel.engine import Engine
 from parallel.init import ByName, InitPlan, init_plan
 from parallel.loss import end_steps
 from parallel.lr_schedule import build_scheduler
+from parallel.memory.oom import out_of_memory
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss, progress_bar
 from parallel.models import weights
 from parallel.models.build import build_meta_model
@@ -92,8 +93,7 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
         runtime = dataclasses.replace(runtime, values=values)
     engine = parallelize(model, mesh, cfg, runtime, plan)
     names = param_names(engine.state_modules(), {name: entry.canonical for name, entry in plan.items()})
-    optimizer = engine.make_optimizer(names) or build_optimizer(engine.model, names, cfg,
-                                                                data_mesh(mesh).get_group())
+    optimizer = engine.make_optimizer(names) or build_optimizer(engine.model, names, cfg, engine.state_sharding)
     # Each dp x ep rank reads its share of the global batch; cp ranks read the same samples (Note [mesh
     # dimensions] in parallel/dims.py).
     batch = batch_mesh(mesh)
@@ -133,6 +133,11 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
         train(cfg, run, run_dir, start)
         if cfg.trainer.save_final:
             save_final(run.engine, run_dir / "final_model.pt")
+    except Exception as e:
+        oom = out_of_memory(e, cfg, run.engine.model, device, run_dir)  # Note [out of memory]: one line
+        if oom is None:
+            raise
+        raise oom from None
     finally:
         run.close()  # offload removes its files, shards stop their readers; also when the run fails
     if run.is_logger:

@@ -13,9 +13,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
+
+from tests import gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "launch" / "train.py")
@@ -25,22 +28,30 @@ FAST = ["trainer.steps=6", "trainer.log_every=1", "trainer.progress=false", "tra
         "trainer.timeout_s=60"]
 
 
-def env() -> dict:
+def env(args: list[str] = ()) -> dict:
+    """The environment of a run with these arguments: the GPUs hidden unless it names trainer.device=cuda (Note
+    [tests on a GPU machine] in tests/gpus.py)."""
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     e.pop("HYDRA_FULL_ERROR", None)
-    return e
+    return gpus.with_gpus(e) if uses_gpus(args) else gpus.hidden(e)
+
+
+def uses_gpus(args: list[str]) -> bool:
+    """Whether a run with these arguments is a CUDA run: it names trainer.device=cuda."""
+    return "trainer.device=cuda" in args
 
 
 def run(args: list[str], cwd: Path, timeout: float = 180, launcher: list[str] | None = None,
         check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
-    """Run `python launch/train.py *args` (or `launcher + [train.py] + args`) in `cwd`.
+    """Run `python launch/train.py *args` (or `launcher + [train.py] + args`) in `cwd`, on the CPU unless `args`
+    name trainer.device=cuda (Note [tests on a GPU machine] in tests/gpus.py).
 
-    A plain run is a child of the zygote (tests/zygote.py), with the framework imported; `fresh`: a new
-    interpreter, for a test that measures the process itself (its peak RSS).
+    A plain run on the CPU is a child of the zygote (tests/zygote.py), with the framework imported; `fresh`: a
+    new interpreter, for a test that measures the process itself (its peak RSS); a CUDA run is always one.
     """
     cmd = (launcher or [sys.executable]) + [TRAIN] + list(args)
-    e = env()
-    if launcher is None and not fresh and _zygote_env(e) == _zygote_env(_Zygote.env):
+    e = env(args)
+    if launcher is None and not fresh and not uses_gpus(args) and _Zygote.serves(e):
         proc = _Zygote.run(TRAIN, list(args), Path(cwd), e, timeout, cmd)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
@@ -53,7 +64,7 @@ def run_script(script: str, args: list[str], cwd: Path, timeout: float = 120) ->
     """`python <script> *args` in `cwd` (launch/plan.py, launch/make_shards.py), a child of the zygote like
     `run`'s runs (a new interpreter when this process's environment is not the zygote's); not checked."""
     cmd, e = [sys.executable, script] + list(args), env()
-    if _zygote_env(e) == _zygote_env(_Zygote.env):
+    if _Zygote.serves(e):
         return _Zygote.run(script, list(args), Path(cwd), e, timeout, cmd)
     return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
 
@@ -71,9 +82,16 @@ def _zygote_env(e: dict) -> dict:
 class _Zygote:
     """The client of this test process's zygote (tests/zygote.py), started at its first run."""
 
-    env = env()  # the zygote's: modules it imported may have read it
+    env = env()  # the zygote's: modules it imported may have read it (the GPUs hidden)
     proc: subprocess.Popen | None = None
     outputs: Path | None = None
+    refused: str | None = None  # why the zygote cannot fork safely here: every run is then a new interpreter
+
+    @classmethod
+    def serves(cls, env: dict) -> bool:
+        """Whether a run in `env` goes through the zygote: its environment is the zygote's, and the zygote can
+        fork safely on this machine."""
+        return cls.refused is None and _zygote_env(env) == _zygote_env(cls.env)
 
     @classmethod
     def run(cls, script: str, args: list[str], cwd: Path, env: dict, timeout: float,
@@ -86,8 +104,16 @@ class _Zygote:
         out, err = cls.outputs / "stdout", cls.outputs / "stderr"
         request = {"script": script, "args": args, "cwd": str(cwd), "env": env, "stdout": str(out),
                    "stderr": str(err)}
-        cls.proc.stdin.write((json.dumps(request) + "\n").encode())
-        pid = cls._answer(time.monotonic() + 600)["pid"]  # the zygote's fork: at once, once it has started
+        try:
+            cls.proc.stdin.write((json.dumps(request) + "\n").encode())
+        except BrokenPipeError:  # it has ended: its answer says why
+            pass
+        answer = cls._answer(time.monotonic() + 600)  # the zygote's fork: at once, once it has started
+        if "refused" in answer:  # it cannot fork safely on this machine: this run and the next in a new one
+            cls.refused = answer["refused"]
+            warnings.warn(f"tests/zygote.py: {cls.refused}; each run starts a new interpreter", stacklevel=3)
+            return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        pid = answer["pid"]
         try:
             status = cls._answer(time.monotonic() + timeout)["status"]
         except subprocess.TimeoutExpired:  # as subprocess.run does: stop it (here with its workers), then say so

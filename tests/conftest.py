@@ -2,8 +2,20 @@ import os
 
 import pytest
 
+from tests import gpus
+
 # Tiny models: one thread per process keeps multi-process tests from oversubscribing 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every test but the CUDA ones runs on the CPU, on a machine with GPUs too (Note [tests on a GPU machine] in
+# tests/gpus.py); before anything initializes CUDA.
+gpus.hide()
+
+
+def pytest_runtest_setup(item):
+    """`@pytest.mark.cuda` (one GPU) or `cuda(n)`: skipped, with the reason, where fewer GPUs are visible."""
+    need = max((m.args[0] if m.args else 1 for m in item.iter_markers("cuda")), default=0)
+    if need and gpus.count() < need:
+        pytest.skip(f"needs {need} CUDA device{'s' if need > 1 else ''} ({gpus.count()} visible)")
 
 
 @pytest.fixture(scope="session")

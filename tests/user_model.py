@@ -238,3 +238,42 @@ class UserMoE(nn.Module):
 def moe_regressor(features: int = 32, width: int = 16, experts: int = 4, top_k: int = 1, out: int = 4):
     """A regression model with one user-written MoE layer between two linears."""
     return nn.Sequential(nn.Linear(features, width), UserMoE(width, experts, top_k), nn.Linear(width, out))
+
+
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test)")
+
+
+class OutOfMemoryAt(nn.Linear):
+    """Runs out of GPU memory, as a full GPU would (CUDA's own error, which the CPU build raises too), in its
+    `at`-th forward or in the backward of it, on rank `rank` (-1: every rank); phase `allocate`: in its forward,
+    by asking the device for a petabyte (a real out-of-memory, on CUDA only)."""
+
+    def __init__(self, features: int, out: int, at: int, phase: str, rank: int):
+        super().__init__(features, out)
+        self.at, self.phase, self.rank, self.calls = at, phase, rank, 0
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        self.calls += 1
+        y = super().forward(x)
+        if self.calls != self.at or (self.rank != -1 and self.rank != dist.get_rank()):
+            return y
+        if self.phase == "backward":
+            return _OutOfMemoryInBackward.apply(y)
+        if self.phase == "allocate":
+            return y + torch.empty(1 << 50, dtype=torch.uint8, device=y.device).sum()
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test)")
+
+
+def out_of_memory_at(features: int = 32, width: int = 16, out: int = 4, at: int = 3, phase: str = "forward",
+                     rank: int = -1) -> nn.Module:
+    """A small MLP whose last layer (`2`) runs out of memory at step `at` (one forward a step): OutOfMemoryAt."""
+    return nn.Sequential(nn.Linear(features, width), nn.Tanh(), OutOfMemoryAt(width, out, at, phase, rank))

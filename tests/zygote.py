@@ -7,7 +7,11 @@ environment, stdin/stdout/stderr, Hydra and logging untouched until the script r
 
     python -m tests.zygote    reads one JSON request a line, answers {"pid": ...} then {"status": ...}
 
-tests/cli.py `run` is the client; a run whose environment differs from this process's is not sent here.
+tests/cli.py `run` is the client; a run whose environment differs from this process's is not sent here, nor a
+CUDA run: the zygote runs with the GPUs hidden (Note [tests on a GPU machine] in tests/gpus.py), and a process
+forked from one that has initialized CUDA could not use it. Where an import has started a thread anyway, a fork
+is not safe (a lock the thread held would stay locked in the child): the zygote answers the first request with
+{"refused": why}, and the client runs every request in a new interpreter.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import os
 import pkgutil
 import runpy
 import sys
+import threading
 import traceback
 
 # What a run imports (launch/train.py, and lazily the trainer, checkpoints, every strategy, TensorBoard).
@@ -93,7 +98,12 @@ def serve() -> None:
     _preload_transformers()
     tasks = os.listdir("/proc/self/task")
     if len(tasks) != 1:
-        raise RuntimeError(f"the zygote runs {len(tasks)} threads; a fork needs it to run one")
+        # The client then starts each run in a new interpreter (tests/cli.py): slower, and right. Python's own
+        # threads are named; a library's native ones (a driver's, a thread pool's) are only counted.
+        named = ", ".join(t.name for t in threading.enumerate())
+        print(json.dumps({"refused": f"the zygote runs {len(tasks)} threads (Python's: {named}) after its imports; "
+                                     f"a fork needs it to run one"}), flush=True)
+        return
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()

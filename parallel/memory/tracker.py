@@ -26,13 +26,21 @@ class LiveTensorBytes(TorchDispatchMode):
     and regrows in place (`resize_`) count only while they hold memory. That is
     linear in the number of live storages per op: fine for the few steps the
     trainer watches, and exact by construction.
+
+    `block`: each storage counts as its bytes rounded up to a multiple of it (1: as they are; the planner's
+    CUDA plans pass the caching allocator's 512, Note [planning for CUDA] in parallel/plan_cuda.py).
     """
 
-    def __init__(self, device_type: str = "cpu"):
+    def __init__(self, device_type: str = "cpu", block: int = 1):
         super().__init__()
         self.device_type = device_type
+        self.block = block
         self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
+
+    def size(self, storage) -> int:
+        """The bytes `storage` counts for: its size, rounded up to a multiple of `block`."""
+        return -(-storage.nbytes() // self.block) * self.block
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count already-existing tensors (each storage once)."""
@@ -55,13 +63,13 @@ class LiveTensorBytes(TorchDispatchMode):
 
     @property
     def current(self) -> int:
-        total, dead = 0, []
+        total, dead, block = 0, [], self.block
         for key, ref in self._refs.items():
             st = ref()
             if st is None:
                 dead.append(key)
             else:
-                total += st.nbytes()
+                total += -(-st.nbytes() // block) * block  # self.size, inline: this runs after every op
         for key in dead:
             del self._refs[key]
         return total

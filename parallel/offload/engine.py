@@ -95,10 +95,11 @@ def _return_freed_memory() -> None:
 
 
 class OffloadIO:
-    """The classes that move offloaded bytes: the real disk tier and activation store. The planner passes
-    stand-ins that move nothing (Note [runtime])."""
+    """The classes that move offloaded bytes: the real disk and host tiers and activation store. The planner
+    passes stand-ins that move nothing (Note [runtime])."""
 
     disk_tier = DiskTier
+    host_tier = HostTier
     activation_store = ActivationStore
 
 
@@ -123,9 +124,10 @@ class OffloadEngine(Engine):
         self.counters = {kind: Counters() for kind in ("params", "optimizer", "activations")}
         self.waits = Counters()
         self.steps_run = 0
-        self.tier_names = {"params": effective(s.params, device), "optimizer": effective(s.optimizer, device),
+        target = runtime.target or device  # the tiers below a GPU when planning its run on the CPU
+        self.tier_names = {"params": effective(s.params, target), "optimizer": effective(s.optimizer, target),
                            "activations": s.activations if s.activations == "checkpoint"
-                           else effective(s.activations, device)}
+                           else effective(s.activations, target)}
         self.path = Path(s.path) if s.path else Path(run_dir) / "offload"
         self.io = runtime.executor(2, "offload-io")
         self.layout = Layout(model, blocks, device)
@@ -172,7 +174,7 @@ class OffloadEngine(Engine):
         for kind in ("params", "optimizer"):
             t = self.tier_names[kind]
             self.tiers[kind] = (io.disk_tier(self.path / kind, self.counters[kind], self.io) if t == "disk"
-                                else HostTier(self.device, self.counters[kind]) if t == "cpu" else None)
+                                else io.host_tier(self.device, self.counters[kind]) if t == "cpu" else None)
         act = self.tier_names["activations"]
         self.acts = None
         if act in ("disk", "cpu"):

@@ -22,7 +22,7 @@ from parallel.offload.engine import build_offload
 from parallel.runtime import Runtime
 from parallel.strategies.compile import compile_model
 from parallel.strategies.context import apply_context
-from parallel.strategies.data import apply_data
+from parallel.strategies.data import apply_data, state_sharding
 from parallel.strategies.hybrid import build_hybrid
 from parallel.strategies.pipeline import build_pipeline
 from parallel.strategies.recompute import recompute_model, recomputing
@@ -42,7 +42,8 @@ def _local(apply):
         compile_model(model, cfg, runtime)  # after DDP or FSDP2 (Note [regional compilation])
         materialize_and_init(model, runtime.device, plan, runtime.values)
         loss = build_loss(cfg.loss, cfg.data.task)
-        return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence)
+        return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence,
+                           state_sharding(mesh, cfg))
 
     return build
 

@@ -31,7 +31,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from parallel.config import fail
@@ -126,9 +126,10 @@ class ExpertShard(nn.ModuleDict):
         return all_to_all_single_autograd(back, send, sizes, self.group)
 
 
-def shard_experts(module: nn.Module, mesh: DeviceMesh, zero: int) -> list[ExpertShard]:
+def shard_experts(module: nn.Module, mesh: DeviceMesh, zero: int, policy: MixedPrecisionPolicy) -> list[ExpertShard]:
     """Swap each MoE layer's experts in `module` for this rank's `ExpertShard` and make each of its experts a
-    data-parallel unit over mesh["dp"] (replicated for zero 0, sharded otherwise); returns the shards."""
+    data-parallel unit over mesh["dp"] (replicated for zero 0 and 1, sharded otherwise; FSDP2's mixed-precision
+    `policy`, Note [mixed precision] in parallel/strategies/data.py); returns the shards."""
     group, dp_mesh = mesh["ep"].get_group(), mesh["dp"]
     shards = []
     for _, layer in moe_layers(module):
@@ -136,10 +137,10 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, zero: int) -> list[Expert
         # A unit per expert (FSDP2 takes modules with a forward, not containers), even over one dp rank: the
         # block's unit over dp x ep must leave the experts out. Every expert runs at every step (run_experts).
         for expert in layer.experts.values():
-            if zero == 0:
-                replicate(expert, mesh=dp_mesh)
+            if zero <= 1:
+                replicate(expert, mesh=dp_mesh, mp_policy=policy)
             else:
-                fully_shard(expert, mesh=dp_mesh, reshard_after_forward=zero == 3)
+                fully_shard(expert, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=zero == 3)
         shards.append(layer.experts)
     return shards
 

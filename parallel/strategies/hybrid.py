@@ -23,10 +23,12 @@ working on what the one before left:
   3. data parallelism (dp x ep x cp > 1): FSDP2 over the dense weights'
      data-parallel ranks (dp x ep x cp flattened), composed with the
      tensor-parallel DTensors as PyTorch recommends: one unit per block, then
-     the root. zero=0 replicates (FSDP2's replicate: gradients all-reduced);
-     zero=2 shards gradients and optimizer state, keeping parameters gathered
-     from forward to backward; zero=3 shards parameters too. FSDP2 cannot shard
-     optimizer state alone, so zero=1 runs as zero=2 (which saves more memory).
+     the root (parallel.strategies.data, the piece strategy=data uses too).
+     zero=0 replicates (FSDP2's replicate: gradients all-reduced); zero=1
+     replicates and shards the optimizer state (Note [ZeRO 1] in
+     parallel/optim.py; experts' state over their own dp ranks); zero=2 shards
+     gradients and optimizer state, keeping parameters gathered from forward to
+     backward; zero=3 shards parameters too.
   4. materialization: every piece is allocated and initialized by name
      (Note [initialization by name]), so the run starts from the single-device
      weights whatever the mesh.
@@ -39,9 +41,7 @@ from __future__ import annotations
 import warnings
 
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 
 from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
@@ -53,8 +53,8 @@ from parallel.runtime import Runtime
 from parallel.strategies.compile import compile_model
 from parallel.strategies.context import apply_context, point_stage_attention, sequence_shard
 from parallel.strategies.context.traced import traceable_attention
-from parallel.strategies.data import blocks_of
-from parallel.strategies.expert import expert_engine, shard_experts
+from parallel.strategies.data import blocks_of, data_parallel, mixed_precision, state_sharding
+from parallel.strategies.expert import expert_engine, expert_params, shard_experts
 from parallel.strategies.pipeline import build_pipeline
 from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.tensor import shard, tensor_plan
@@ -63,22 +63,6 @@ from parallel.strategies.tensor import shard, tensor_plan
 # piece, which FSDP2 warns about in case the caller changes it in place; the
 # engines never do (the loss reads it out of place).
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-
-
-def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, zero: int) -> None:
-    """Step 3: FSDP2 units over the dense weights' data-parallel ranks (dp x ep x cp, Note [mesh dimensions] in
-    parallel/dims.py), one per block, then `module` itself."""
-    dp_mesh = data_mesh(mesh)
-    if zero == 0:
-        # FSDP2's replicate, not strategy=data's DDP: DDP does not take the
-        # DTensor parameters tensor parallelism leaves, nor the per-microbatch
-        # gradient-sync switch PipelineStage drives on FSDP modules.
-        wrap = lambda m: replicate(m, mesh=dp_mesh)  # noqa: E731
-    else:
-        wrap = lambda m: fully_shard(m, mesh=dp_mesh, reshard_after_forward=zero == 3)  # noqa: E731
-    for block in blocks:
-        wrap(block)
-    wrap(module)
 
 
 def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
@@ -94,21 +78,26 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         if s.ep > 1:  # before the blocks' data-parallel units, which leave the experts' own units out
             # Experts may be a model's only ModuleList: neither this rank's (their own units) nor the others'
             # (no longer in the model) are blocks.
-            held = {id(e) for shard in shard_experts(module, mesh, s.zero) for e in shard.values()}
+            held = {id(e) for shard in shard_experts(module, mesh, s.zero, mixed_precision(cfg))
+                    for e in shard.values()}
             present = {id(m) for m in module.modules()}
             blocks = [b for b in blocks if id(b) in present and id(b) not in held]
         if data_mesh(mesh).size() > 1:
             if s.sync_batchnorm:  # Note [batch norm]: BatchNorm statistics over the dp ranks
                 sync_batchnorm(module, batch_mesh(mesh).get_group())
-            data_parallel(module, blocks, mesh, s.zero)
+            # FSDP2's replicate, not DDP, for zero 0 and 1: DDP does not take the DTensor parameters tensor
+            # parallelism leaves, nor the per-microbatch gradient-sync switch PipelineStage drives.
+            data_parallel(module, blocks, mesh, cfg, ddp=False)
 
     if s.pp > 1:
         sequence = sequence_shard(mesh)  # Note [context parallelism under the pipeline]
         if sequence is not None:
             traceable_attention(model)  # before the trace (Note [traced attention over the cp ranks])
         tp_shapes = (lambda module: shard(module, mesh, tp_plan)) if s.tp > 1 else None  # noqa: E731
-        return build_pipeline(model, mesh, cfg, runtime, plan, transform=pieces, shape_transform=tp_shapes,
-                              sequence=sequence)
+        engine = build_pipeline(model, mesh, cfg, runtime, plan, transform=pieces, shape_transform=tp_shapes,
+                                sequence=sequence)
+        engine.state_sharding = zero1(list(engine.model), mesh, cfg)
+        return engine
     sequence = apply_context(model, mesh)  # cp > 1: attention over the cp ranks
     if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
         recompute_model(model, cfg)
@@ -116,4 +105,12 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     compile_model(model, cfg, runtime)  # after the tensor plan and FSDP2 (Note [regional compilation])
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
-    return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence)
+    return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence,
+                         zero1([model], mesh, cfg))
+
+
+def zero1(modules: list[nn.Module], mesh: DeviceMesh, cfg: Config):
+    """ZeRO 1's layout of the optimizer state of `modules` (materialized): the dense weights' over their
+    data-parallel ranks, the experts' over mesh["dp"], the ranks that hold the same experts."""
+    dp_group = mesh["dp"].get_group()
+    return state_sharding(mesh, cfg, {i: dp_group for i in expert_params(modules)})

@@ -27,16 +27,21 @@ EVAL = ["trainer.steps=4", "trainer.eval_every=2", "trainer.grad_accum=2"]
 
 @pytest.fixture(scope="module")
 def cp2_run(tmp_path_factory):
-    """gpt under strategy=context on 2 ranks, with a checkpoint at step 3 (shared by two tests)."""
+    """gpt under strategy=context on 2 ranks, with a checkpoint at step 3 (shared by two tests); ZeRO 1, so
+    the checkpoint holds each rank's share of the optimizer state (Note [ZeRO 1] in parallel/optim.py)."""
     run_dir = tmp_path_factory.mktemp("cp2")
-    cli.run(cli.FAST + GPT + ["nproc=2", "strategy=context", "trainer.checkpoint_every=3", f"run_dir={run_dir}"],
-            cwd=run_dir)
+    cli.run(cli.FAST + GPT + ["nproc=2", "strategy=context", "strategy.zero=1", "trainer.checkpoint_every=3",
+                              f"run_dir={run_dir}"], cwd=run_dir)
     return run_dir
 
 
 @pytest.mark.timeout(300)
 def test_context_matches_single(reference, cp2_run):
-    cli.assert_same_training(cp2_run, reference(cli.FAST + GPT))
+    ref = reference(cli.FAST + GPT)
+    cli.assert_same_training(cp2_run, ref)
+    # ZeRO 1: each of the 2 ranks keeps about half of the optimizer state single keeps.
+    (whole,) = cli.metrics(ref)[-1]["optim_state_bytes_per_rank"]
+    assert all(0.4 < share / whole < 0.6 for share in cli.metrics(cp2_run)[-1]["optim_state_bytes_per_rank"])
 
 
 @pytest.mark.timeout(300)

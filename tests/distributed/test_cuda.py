@@ -1,17 +1,23 @@
-"""The CUDA path (nccl, one GPU per rank, allocator peak, bf16 autocast); skipped without CUDA."""
+"""The CUDA path (nccl, one GPU per rank, allocator peak, bf16 autocast); skipped without CUDA.
+
+This process hides the GPUs; each run here that names trainer.device=cuda sees them (Note [tests on a GPU
+machine] in tests/gpus.py). Runs over "up to 2" GPUs take one rank on a machine with one.
+"""
+import re
+
 import pytest
 import torch
 
 from parallel.hardware import gpu_peak
-from tests import cli
+from tests import cli, gpus
 from tests.hf_models import args
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.timeout(300)
 def test_data_zero3_on_cuda_trains_and_reports_allocator_peak(tmp_path):
-    n = min(2, torch.cuda.device_count())
+    n = min(2, gpus.count())
     cli.run(cli.FAST + [f"nproc={n}", "strategy=data", "strategy.zero=3", "trainer.device=cuda",
                         "memory.fraction=0.5", f"run_dir={tmp_path}"], cwd=tmp_path)
     records = cli.metrics(tmp_path)
@@ -19,7 +25,7 @@ def test_data_zero3_on_cuda_trains_and_reports_allocator_peak(tmp_path):
     assert len(records[-1]["mem_peak_bytes_per_rank"]) == n
     assert records[-1]["loss"] < records[0]["loss"]
     # MFU against the table's bf16 peak of this GPU (bf16 autocast by default); none for a GPU it does not know.
-    if gpu_peak(torch.cuda.get_device_name(0), "bf16") is None:
+    if gpu_peak(gpus.name(), "bf16") is None:
         assert "mfu" not in records[-1]
     else:
         assert all(0 < r["mfu"] <= 1 for r in records)
@@ -50,7 +56,7 @@ def test_offload_to_pinned_host_memory_matches_single_on_cuda(tmp_path, activati
 @pytest.mark.timeout(300)
 def test_checkpoint_saved_on_cuda_resumes_on_the_cpu(tmp_path):
     """A data zero=3 checkpoint written from GPU memory over nccl continues in one CPU process."""
-    n = min(2, torch.cuda.device_count())
+    n = min(2, gpus.count())
     common = cli.FAST + ["trainer.steps=8", "trainer.checkpoint_every=4", "trainer.precision=fp32"]
     gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
     cli.run(common + [f"nproc={n}", "strategy=data", "strategy.zero=3", "trainer.device=cuda", f"run_dir={gpu}"],
@@ -71,7 +77,7 @@ def test_checkpoint_saved_on_cuda_resumes_on_the_cpu(tmp_path):
 CP_CUDA = ["data.task=lm", "data.seq_len=128", "trainer.device=cuda", "trainer.precision=fp32"]
 CP_GPT = ["model=gpt", "model.args.dim=32", "model.args.heads=4", "model.args.seq_len=128", "model.args.layers=2"]
 CP_LLAMA = [a for a in args("llama") if not a.startswith("data.")] + ["+model.args.seq_len=128"]
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+two_gpus = pytest.mark.cuda(2)
 
 # name -> (model, strategy)
 CP_CASES = {
@@ -92,3 +98,23 @@ def test_context_on_two_gpus_matches_single(tmp_path, case):
     cli.run(model + CP_CUDA + [f"run_dir={ref}"], cwd=tmp_path)
     cli.run(model + CP_CUDA + strategy + ["nproc=2", f"run_dir={cp}"], cwd=tmp_path)
     cli.assert_same_training(cp, ref)
+
+
+@pytest.mark.timeout(300)
+def test_out_of_memory_on_cuda_is_one_line_per_rank_with_the_allocator_figures(tmp_path):
+    """A real out-of-memory (a petabyte asked of the device) in step 2's forward on every rank: each rank's line
+    with what was allocated of the fraction, exit 1, no traceback, the snapshot written (Note [out of memory])."""
+    n = min(2, gpus.count())
+    proc = cli.run(cli.FAST + [f"nproc={n}", "strategy=data", "trainer.device=cuda", "memory.fraction=0.5",
+                               "trainer.memory_snapshot=true", "model=custom",
+                               "model._target_=tests.user_model.out_of_memory_at", "+model.args.at=2",
+                               "+model.args.phase=allocate", f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors, proc.stderr
+    for line in errors:  # the agent may stop a rank before it has said anything: at least one line
+        assert re.match(r"error: out of GPU memory on rank \d at step 2 in forward \(2: OutOfMemoryAt\): "
+                        r"[\d.]+ [KMGT]?B allocated of [\d.]+ [KMGT]?B \(memory.fraction 0.5\); no plan was made",
+                        line), line
+        assert line.endswith(".pickle") and "; memory snapshot: " in line
+    assert list((tmp_path / "memory_snapshot").glob("rank*.pickle"))

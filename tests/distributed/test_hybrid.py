@@ -15,7 +15,8 @@ TIED = GPT + ["model.args.tie_embeddings=true"]
 
 # name -> (model args, hybrid args, processes)
 CASES = {
-    "dp2_tp2_zero0": (MLP, ["strategy.dp=2", "strategy.tp=2", "strategy.zero=0"], 4),
+    # ZeRO 1 over the DTensor pieces of tensor parallelism (Note [ZeRO 1] in parallel/optim.py).
+    "dp2_tp2_zero1": (MLP, ["strategy.dp=2", "strategy.tp=2", "strategy.zero=1"], 4),
     "dp2_tp2_zero3_gpt": (GPT, ["strategy.dp=2", "strategy.tp=2", "strategy.zero=3"], 4),
     "dp2_pp2": (MLP, ["strategy.dp=2", "strategy.pp=2"], 4),
     "dp2_pp2_zero3_tied": (TIED, ["strategy.dp=2", "strategy.pp=2", "strategy.zero=3"], 4),

@@ -13,6 +13,8 @@ CASES = {
     "data_zero3": (["strategy=data", "strategy.zero=3"], 2),
     "pipeline": (["strategy=pipeline"], 2),
     "ep2": (["strategy=expert"], 2),
+    # The dense weights' optimizer state sharded over dp x ep, the experts' over their dp ranks (Note [ZeRO 1]).
+    "dp2_ep2_zero1": (["strategy=hybrid", "strategy.dp=2", "strategy.ep=2", "strategy.zero=1"], 4),
     "dp2_ep2_zero3": (["strategy=hybrid", "strategy.dp=2", "strategy.ep=2", "strategy.zero=3"], 4),
     "ep2_pp2": (["strategy=hybrid", "strategy.dp=1", "strategy.ep=2", "strategy.pp=2"], 4),
     "ep2_tp2": (["strategy=hybrid", "strategy.dp=1", "strategy.ep=2", "strategy.tp=2"], 4),

@@ -1,10 +1,13 @@
 """The command line as a user runs it: launch ways, sweeps, TensorBoard, errors."""
+import json
+import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests import cli
+from tests import cli, gpus
 
 DATA2 = ["nproc=2", "strategy=data", "strategy.zero=3", "model.args.depth=2"]
 
@@ -154,6 +157,62 @@ def test_failed_worker_under_torchrun_shows_its_error_once(tmp_path):
     assert all("stopped: another worker failed" in line for line in out.splitlines() if line.startswith("rank 0:"))
     # torchrun's own, and its summary's of the first failure (rank 1): no worker prints one besides
     assert out.count("Traceback (most recent call last)") == 2, out
+
+
+OOM = ["model=custom", "model._target_=tests.user_model.out_of_memory_at", "trainer.timeout_s=30"]
+
+
+@pytest.mark.timeout(120)
+def test_out_of_gpu_memory_is_one_line_with_where_and_what_to_change(tmp_path):
+    """CUDA's out-of-memory error raised by the model in step 3's forward (on the CPU: no figures); Note [out of
+    memory]."""
+    proc = cli.run(cli.FAST + OOM + [f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line == ("error: out of GPU memory on rank 0 at step 3 in forward (2: OutOfMemoryAt): allocated and "
+                    "limit unknown on the cpu (memory.fraction unset); no plan was made for this run (python "
+                    "launch/plan.py <its overrides> world_size=1 predicts each rank's peak); try "
+                    "strategy.activations=checkpoint, then trainer.grad_accum=2, then strategy=offload, then "
+                    "trainer.batch_size=16")
+    assert [r["step"] for r in cli.metrics(tmp_path)] == [1, 2]
+    # The third forward is the evaluation after step 2: the phase says so.
+    proc = cli.run(cli.FAST + OOM + ["trainer.eval_every=2", "trainer.eval_batches=1", f"run_dir={tmp_path / 'eval'}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "error: out of GPU memory on rank 0 at step 2 in evaluation (2: OutOfMemoryAt): " in proc.stderr
+    # strategy=auto planned the run (auto.json): the line gives its prediction.
+    proc = cli.run(cli.FAST + OOM + ["strategy=auto", f"run_dir={tmp_path / 'auto'}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(r"; the plan predicts [\d.]+ KB at its largest rank \(strategy=auto, auto.json\); try ",
+                     proc.stderr), proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_out_of_gpu_memory_in_a_worker_is_its_line_alone(tmp_path):
+    """Rank 1 of 2 runs out in step 2's backward: its line, no traceback, no launcher's report besides."""
+    proc = cli.run(cli.FAST + OOM + ["nproc=2", "strategy=data", "+model.args.at=2", "+model.args.phase=backward",
+                                     "+model.args.rank=1", f"run_dir={tmp_path}"], cwd=tmp_path, check=False,
+                   timeout=100)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] and errors[0].startswith(
+        "error: out of GPU memory on rank 1 at step 2 in backward: allocated and limit unknown on the cpu"), errors
+    assert errors[0].endswith("try strategy.activations=checkpoint, then trainer.grad_accum=2, then strategy.zero=3, "
+                              "then trainer.batch_size=16")
+
+
+@pytest.mark.timeout(60)
+def test_more_processes_than_gpus_stops_before_any_worker(tmp_path):
+    """One process more than this machine's GPUs (none here: trainer.device=cuda finds none) is a config error."""
+    proc = cli.run(["trainer.device=cuda", f"nproc={gpus.count() + 1}", f"run_dir={tmp_path}"], cwd=tmp_path,
+                   check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    visible = json.loads(os.environ[gpus.SAVED])  # this run sees the machine's GPUs (Note [tests on a GPU machine])
+    assert line.startswith("config error: ") and ("CUDA_VISIBLE_DEVICES unset" if visible is None else
+                                                  f"CUDA_VISIBLE_DEVICES={visible!r}") in line
+    assert ("no CUDA device is visible" if gpus.count() == 0 else f"nproc={gpus.count() + 1}: ") in line
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "logs").exists()
 
 
 def test_train_script_is_importable_without_running():

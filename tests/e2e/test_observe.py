@@ -11,7 +11,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-import torch
 from matplotlib.colors import to_rgb
 
 from parallel.pictures import timeline
@@ -86,7 +85,6 @@ def test_memory_snapshot_on_the_cpu_warns_in_the_log_and_records_nothing(pipelin
 
 @pytest.mark.cuda
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_trace_holds_kernels_and_the_memory_snapshot_is_written(tmp_path):
     cli.run(cli.FAST + ["trainer.device=cuda", "trainer.profile=[2,3]", "trainer.memory_snapshot=true",
                         f"run_dir={tmp_path}"], cwd=tmp_path)
@@ -147,7 +145,8 @@ def test_tensorboard_serves_the_runs_scalars_and_timeline(pipeline_run, tensorbo
         assert tag in tags, sorted(tags)
     # The values served are the values logged.
     served = _get_json(tensorboard, "/data/plugin/scalars/scalars", run=".", tag="train/loss")
-    assert [(s, v) for _, s, v in served] == pytest.approx([(r["step"], r["loss"]) for r in records], rel=1e-6)
+    assert [s for _, s, _ in served] == [r["step"] for r in records]
+    assert [v for _, _, v in served] == pytest.approx([r["loss"] for r in records], rel=1e-6)
     mfu = _get_json(tensorboard, "/data/plugin/scalars/scalars", run=".", tag="throughput/mfu")
     assert mfu and all(0 < v <= 1 for _, _, v in mfu), mfu
     images = _get_json(tensorboard, "/data/plugin/images/tags")["."]

@@ -4,6 +4,7 @@ import subprocess
 
 import matplotlib.image
 import pytest
+import torch
 
 from tests import cli
 
@@ -135,3 +136,31 @@ def test_bad_input_is_a_config_error_naming_the_key(tmp_path, args, message):
     assert proc.returncode == 2
     assert "config error" in proc.stderr and message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_for_cuda_says_so_and_names_what_it_leaves_out(tmp_path):
+    """trainer.device=cuda on any host (Note [planning for CUDA]): the table is the caching allocator's bytes."""
+    out = plan(["trainer.device=cuda", f"run_dir={tmp_path}"], cwd=tmp_path).stdout
+    assert "plan for CUDA: strategy=single" in out and "torch.cuda.max_memory_allocated" in out
+    assert "cuBLAS workspaces" in out and "the CUDA context" in out and "NCCL buffers" in out
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["device"] == "cuda" and record["cuda"]["precision"] == "bf16 autocast"
+    assert {"the CUDA context", "NCCL buffers"} <= set(record["cuda"]["left_out"])
+    assert record["ranks"][0]["workspaces"] == 2 * record["cuda"]["cublas_workspace"]  # forward's and backward's
+
+
+@pytest.mark.timeout(200)
+def test_auto_plans_a_cuda_run_against_the_budget_given(tmp_path):
+    out = plan(["strategy=auto", "trainer.device=cuda", "memory.budget=80GB", f"run_dir={tmp_path}"],
+               cwd=tmp_path).stdout
+    assert "budget 80.0 GB per rank" in out and "->single" in out and "plan for CUDA: strategy=single" in out
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["device"] == "cuda" and record["strategy"] == "single"
+    assert [c["name"] for c in record["auto"] if c["dropped"] is None][0] == "single"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's own memory is the budget there")
+def test_auto_for_cuda_without_a_gpu_needs_the_budget(tmp_path):
+    proc = plan(["strategy=auto", "trainer.device=cuda", f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "memory.budget=None" in proc.stderr and "Traceback" not in proc.stderr

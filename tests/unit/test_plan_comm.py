@@ -30,15 +30,20 @@ def _sent(op) -> tuple[int, int]:
 def test_each_collective_counts_what_leaves_the_rank(groups):
     world, pair = groups
     x = torch.ones(S // 4)
+    # torch 2.13 added all_gather_single and reduce_scatter_single; 2.11 and 2.12 spell them the older way.
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    f_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+    f_scatter = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
     cases = {  # name: (op, bytes sent)
         "all_reduce": (lambda: dist.all_reduce(x), 2 * 3 * S // 4),
         "all_reduce over 2": (lambda: dist.all_reduce(x, group=pair), 2 * 1 * S // 2),
         "functional all_reduce": (lambda: funcol.all_reduce(x, "sum", world).wait(), 2 * 3 * S // 4),
-        "all_gather_single": (lambda: dist.all_gather_single(torch.empty(4 * x.numel()), x), 3 * S),
+        "all_gather_single": (lambda: gather(torch.empty(4 * x.numel()), x), 3 * S),
         "all_gather": (lambda: dist.all_gather([torch.empty_like(x) for _ in range(4)], x), 3 * S),
-        "functional all_gather over 2": (lambda: funcol.all_gather_single(x, 0, pair).wait(), 1 * S),
-        "reduce_scatter_single": (lambda: dist.reduce_scatter_single(torch.empty(x.numel() // 4), x), 3 * S // 4),
-        "functional reduce_scatter": (lambda: funcol.reduce_scatter_single(x, "sum", 0, world).wait(), 3 * S // 4),
+        "functional all_gather over 2": (lambda: f_gather(x, 0, pair).wait(), 1 * S),
+        "reduce_scatter_single": (lambda: scatter(torch.empty(x.numel() // 4), x), 3 * S // 4),
+        "functional reduce_scatter": (lambda: f_scatter(x, "sum", 0, world).wait(), 3 * S // 4),
         "broadcast": (lambda: dist.broadcast(x, src=0), S),
         "send": (lambda: dist.send(x, dst=0), S),
         "recv": (lambda: dist.recv(x, src=0), 0),

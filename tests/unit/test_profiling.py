@@ -4,6 +4,7 @@ import contextlib
 import json
 import logging
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from parallel import profiling
 from parallel.config import TrainerConfig
 from parallel.profiling import Profiling, phase
+from tests import gpus
 
 
 def _names(path) -> set[str]:
@@ -93,8 +95,12 @@ def test_memory_snapshot_on_the_cpu_warns_and_records_nothing(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_memory_snapshot_on_cuda_at_the_end_and_on_out_of_memory(tmp_path):
+    gpus.call(snapshot_on_cuda, tmp_path)  # this process hides the GPUs (Note [tests on a GPU machine])
+
+
+def snapshot_on_cuda(tmp_path: str) -> None:
+    tmp_path = Path(tmp_path)
     device = torch.device("cuda")
     end, oom = tmp_path / "end", tmp_path / "oom"
     p = Profiling(TrainerConfig(memory_snapshot=True), end, device)

@@ -2,7 +2,7 @@
 import pytest
 
 from parallel.config import Config, ConfigError, StrategyConfig
-from parallel.dims import ParallelDims
+from parallel.dims import Gpus, ParallelDims, check_gpus
 from parallel.units import parse_bytes
 from parallel.validate import validate
 
@@ -33,7 +33,7 @@ BAD = [
     ({"trainer__preempt_timeout_s": 0.0}, 1, "trainer.preempt_timeout_s"),
     ({"trainer__preempt_timeout_s": -30.0}, 1, "trainer.preempt_timeout_s"),
     ({"trainer__preempt_check_s": -0.1}, 1, "trainer.preempt_check_s"),
-    ({"trainer__precision": "bf16", "trainer__device": "cpu"}, 1, "trainer.precision"),
+    ({"trainer__reduce_precision": "fp16"}, 1, "trainer.reduce_precision"),
     ({"trainer__profile": [3, 2]}, 1, "trainer.profile"),  # reversed
     ({"trainer__profile": [0, 2]}, 1, "trainer.profile"),  # steps count from 1
     ({"trainer__profile": [40, 51]}, 1, "trainer.profile"),  # past trainer.steps (50)
@@ -195,3 +195,30 @@ def test_disk_check_names_the_bytes_needed(tmp_path):
     assert check_disk(tmp_path / "new" / "dir", 1) is None
     why = check_disk(tmp_path, 10**18)
     assert "1000000.0 TB needed" in why and "free at" in why  # parallel.units.human_bytes
+
+
+ONE_GPU = Gpus(count=1, visible=None)  # what a machine with one GPU shows (injected: this one may have none)
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_more_processes_than_gpus_is_a_config_error_naming_the_fix(device):
+    with pytest.raises(ConfigError) as info:
+        check_gpus(device, 2, gpus=ONE_GPU)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("nproc=2: 2 processes")
+    assert f"trainer.device={device}" in message and "1 GPU is visible (CUDA_VISIBLE_DEVICES unset)" in message
+    assert "nproc=1" in message and "trainer.device=cpu" in message and "more GPUs" in message  # the fixes
+    torchrun = r"LOCAL_WORLD_SIZE=4: .*2 GPUs are visible \(CUDA_VISIBLE_DEVICES='0,1'\).*--nproc-per-node 2"
+    with pytest.raises(ConfigError, match=torchrun):
+        check_gpus(device, 4, "torchrun", Gpus(count=2, visible="0,1"))
+
+
+def test_processes_within_the_gpus_or_on_the_cpu_pass():
+    check_gpus("cuda", 1, gpus=ONE_GPU)
+    check_gpus("auto", 1, gpus=ONE_GPU)
+    check_gpus("cpu", 8, gpus=ONE_GPU)
+    check_gpus("auto", 8, gpus=Gpus(count=0, visible=""))  # no GPU: auto is the CPU
+    check_gpus("cuda", None, "torchrun", ONE_GPU)  # a launcher that says nothing of its local processes
+    with pytest.raises(ConfigError, match=r"trainer.device='cuda': no CUDA device is visible here "
+                                          r"\(CUDA_VISIBLE_DEVICES=''"):
+        check_gpus("cuda", 1, gpus=Gpus(count=0, visible=""))

@@ -39,6 +39,7 @@ import sys
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel import torch_compat
 from parallel.config import Config, cuda_run, fail
 from parallel.strategies.context.attention import SequenceShard
 from parallel.strategies.context.traced import point_traced_attention, traceable_attention
@@ -134,6 +135,7 @@ def apply_context(model: nn.Module, mesh: DeviceMesh) -> SequenceShard | None:
 def _check_cuda(cfg: Config) -> None:
     """What PyTorch's ring attention takes on CUDA (Note [context parallelism on CUDA] in cuda.py)."""
     s, key = cfg.strategy, "strategy.cp"
+    torch_compat.require("cuda_context_parallel", key, s.cp, ["trainer.device=cpu", "1"])  # Note [torch versions]
     if cfg.trainer.compile:
         fail(key, s.cp, "trainer.compile=true with context parallelism on CUDA (PyTorch's ring attention) is not "
              "supported yet", ["trainer.compile=false", "trainer.device=cpu", "1"])

@@ -8,6 +8,7 @@ from parallel.config import Config, fail, positive
 from parallel.runtime import Runtime
 from parallel.strategies.pipeline import schedules
 from parallel.strategies.pipeline.split import plan_split
+from parallel.torch_compat import require_release
 
 
 def check_pipeline(cfg: Config, per_rank: int) -> None:
@@ -23,6 +24,9 @@ def check_pipeline(cfg: Config, per_rank: int) -> None:
         fail("trainer.grad_accum", t.grad_accum,
              "must be 1 under strategy=pipeline: microbatches already accumulate gradients",
              "raise strategy.microbatches instead")
+    if s.schedule in schedules.V_SHAPED:  # Note [torch versions] in parallel/torch_compat.py
+        require_release("2.12", "a V-shaped schedule's stage pairs", "strategy.schedule", s.schedule,
+                        [n for n in schedules.SCHEDULES if n not in schedules.V_SHAPED])
     why = schedules.check(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
     if why:
         fail(f"strategy.schedule={s.schedule} with strategy.stages_per_rank={s.stages_per_rank} and "
@@ -39,6 +43,9 @@ def check_split(model: nn.Module, cfg: Config) -> None:
     split = plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False), trace_split=False)
     inner = [n for n in split.blocks if nested(model, n)]
     if inner:
+        # Note [torch versions] in parallel/torch_compat.py: such stages hand integer tensors on.
+        require_release("2.12", f"a pipeline over {type(model).__name__} (blocks inside other modules)",
+                        "strategy.pp", cfg.strategy.pp, ["strategy=data", "strategy=model"])
         _check_traced_blocks(model, cfg, inner)
 
 

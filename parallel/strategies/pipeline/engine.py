@@ -133,7 +133,9 @@ class PipelineEngine(Engine):
         sequence under context parallelism, with the chunks' positions, one row per sample so the schedule
         splits them into microbatches with the tokens (Note [context parallelism under the pipeline])."""
         if self.sequence is None:
-            return ((x,) if self.has_first else ()), y
+            # Contiguous: torch 2.11 checks the first stage's input strides against its example's, and a batch
+            # may be a view (tokens cut from longer rows).
+            return ((x.contiguous(),) if self.has_first else ()), y
         x, y = self.sequence.shard(x), self.sequence.shard(y)
         positions = self.sequence.position_ids(x).expand(x.shape[0], -1).contiguous()
         return ((x, positions) if self.has_first else ()), y

@@ -33,6 +33,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +42,7 @@ from torch.distributed.pipelining import PipelineStage
 from parallel.blocks import nested, repeated_blocks
 from parallel.config import Config, ConfigError
 from parallel.dims import batch_mesh
+from parallel.engine import autocast
 from parallel.init import InitPlan, materialize_and_init
 from parallel.profiling import phase
 from parallel.runtime import Runtime
@@ -84,7 +86,7 @@ class TimedStage(PipelineStage):
 
     The schedule sends and receives outside these three calls, so what is left
     of a step beyond their time is waiting: the measured bubble. Signatures as
-    in torch 2.13's torch/distributed/pipelining/stage.py.
+    in torch/distributed/pipelining/stage.py (the same in torch 2.11-2.15).
     """
 
     def __init__(self, *args, compute_time: ComputeTime, **kwargs):
@@ -171,6 +173,31 @@ def _prepare(mod: fx.GraphModule, split: Split, cfg: Config, runtime: Runtime, m
         transform(mod, blocks)
     if model is not None and compiling(cfg, runtime):
         compile_blocks(mod, [n for n in repeated_blocks(model) if n in called])
+    in_bf16(mod, cfg, runtime.device)
+
+
+# Note [bf16 stages]
+# Under bf16 (Note [mixed precision] in parallel/strategies/data.py) each stage computes under autocast, as the
+# whole model does under strategy=single, and hands its floating-point outputs on in fp32: the schedule's send
+# and receive buffers are shaped and typed by PyTorch's shape inference, which runs the stages on meta tensors,
+# where autocast casts nothing. bf16 -> fp32 -> bf16 is exact, so a matrix product of the next stage sees the
+# values single's does; an op autocast leaves alone (an activation, a residual sum) may compute in fp32 where
+# single's computed in bf16, within bf16's rounding. The fp32 boundary sends twice a bf16 one's bytes.
+def in_bf16(mod: nn.Module, cfg: Config, device: torch.device) -> None:
+    """Run stage `mod` under the run's autocast, its floating-point outputs handed on in fp32 (Note [bf16 stages]);
+    nothing under fp32."""
+    context = autocast(cfg, device)
+    if isinstance(context, contextlib.nullcontext):
+        return
+    inner = mod.forward
+
+    def forward(*args, **kwargs):
+        with autocast(cfg, device):
+            out = inner(*args, **kwargs)
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, out)
+
+    mod.forward = forward  # an instance attribute: FSDP2's hooks, registered on the module, still run around it
 
 
 def _static_shapes(split: Split, chained: list[fx.GraphModule], mesh: DeviceMesh, cfg: Config,
