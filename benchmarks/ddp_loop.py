@@ -51,6 +51,9 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     if rank == 0:
         print(json.dumps({"step_time_s": sum(times[1:-1]) / len(times[1:-1]), "loss": loss.item()}))
+    # Both ranks at the end before the group goes: a rank that destroyed its group while the other still
+    # finished its last step's collectives left that one waiting forever (twice in ~40 runs here).
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -42,6 +42,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from parallel import preemption
 from parallel.config import ConfigError, from_dict
 from parallel.dims import device_for_rank
+from parallel.memory.host import steady_host_allocations
 from parallel.memory.oom import OUT_OF_MEMORY, OutOfMemory
 from parallel.metrics import log, setup_logging
 from parallel.trainer import run_training
@@ -270,6 +271,7 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
     cfg = from_dict(cfg_dict)  # resolved and validated before the workers started
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = device_for_rank(cfg.trainer.device, local_rank)
+    steady_host_allocations()  # Note [host allocations]: before anything of the run is allocated
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if cfg.memory.fraction is not None:

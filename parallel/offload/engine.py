@@ -47,8 +47,6 @@ listed above it (and tiers.py, activations.py below them all):
 """
 from __future__ import annotations
 
-import ctypes
-import sys
 from pathlib import Path
 
 import torch
@@ -61,6 +59,7 @@ from parallel.data import example_input
 from parallel.engine import Engine, autocast, evaluating
 from parallel.init import InitPlan
 from parallel.loss import Loss, build_loss
+from parallel.memory.host import set_mmap_threshold
 from parallel.metrics import log
 from parallel.offload.activations import ActivationStore
 from parallel.offload.adamw import BlockAdamW, OffloadOptimizer, state_keys
@@ -78,20 +77,12 @@ from parallel.runtime import Runtime
 def _return_freed_memory() -> None:
     """Have glibc give large freed blocks back to the system at once (Linux only).
 
-    glibc raises its mmap threshold after the first large free, so later
-    tensors of that size come from the heap, where freed space stays in the
-    process: the activations that went to disk would still count against the
-    process's memory. A fixed 1 MiB threshold keeps large tensors in their own
-    mappings, returned when freed.
+    glibc raises its mmap threshold after the first large free, and every worker fixes it high (Note [host
+    allocations] in parallel/memory/host.py), so tensors of that size come from the heap, where freed space
+    stays in the process: the activations that went to disk would still count against the process's memory.
+    A fixed 1 MiB threshold keeps large tensors in their own mappings, returned when freed.
     """
-    if sys.platform != "linux":
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 1 << 20)
+    set_mmap_threshold(1 << 20, 128 << 10)  # the trim threshold back at glibc's default too
 
 
 class OffloadIO:
