@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -48,13 +47,11 @@ def steady(times: list[float]) -> float:
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from benchmarks.ddp_loop import hand_step
     from parallel import preemption
     from parallel.config import Config
     from parallel.dims import ParallelDims
-    from parallel.models.mlp import build_mlp
     from parallel.runtime import Runtime
     from parallel.trainer import build_run, train, train_step
     from parallel.validate import validate
@@ -70,29 +67,8 @@ def worker(a) -> None:
     cpu = torch.device("cpu")
     run = build_run(cfg, ParallelDims.of(cfg.strategy, world), Runtime(device=cpu))
 
-    features, targets = cfg.data.features, cfg.data.targets
-    torch.manual_seed(0)
-    model = DDP(build_mlp(features, targets, a.hidden, a.depth))
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / a.steps))))
-    teacher = torch.randn(features, targets)
-    per = a.batch // world
-
-    def hand_data(step: int):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(a.batch, features, generator=g)
-        y = x @ teacher + 0.01 * torch.randn(a.batch, targets, generator=g)
-        return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-
-    def hand(step: int) -> None:
-        x, y = hand_data(step)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
+    hand, hand_data = hand_step(cfg.data.features, cfg.data.targets, a.hidden, a.depth, a.batch, a.steps, rank,
+                                world)
 
     def engine_step(x, y) -> None:
         run.engine.forward_backward(x, y)

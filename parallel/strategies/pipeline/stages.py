@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from parallel.blocks import nested, repeated_blocks
-from parallel.config import Config, ConfigError
+from parallel.config import Config, ConfigError, bf16_run
 from parallel.dims import batch_mesh
 from parallel.engine import autocast
 from parallel.init import InitPlan, materialize_and_init
@@ -186,8 +186,7 @@ def _prepare(mod: fx.GraphModule, split: Split, cfg: Config, runtime: Runtime, m
 def in_bf16(mod: nn.Module, cfg: Config, device: torch.device) -> None:
     """Run stage `mod` under the run's autocast, its floating-point outputs handed on in fp32 (Note [bf16 stages]);
     nothing under fp32."""
-    context = autocast(cfg, device)
-    if isinstance(context, contextlib.nullcontext):
+    if not bf16_run(cfg):
         return
     inner = mod.forward
 
