@@ -8,7 +8,8 @@
         trainer.json                   step, LR schedule, what it was saved under, every file's size
 
 The tensors are keyed by the names of the unpartitioned model, whatever holds
-them: `model.<name>` for every parameter and buffer, `optim.<name>.<key>` for
+them: `model.<name>` for every parameter and buffer (with LoRA adapters, every
+trainable one and every buffer: Note [LoRA]), `optim.<name>.<key>` for
 the optimizer's state under the optimizer's own keys (AdamW: exp_avg,
 exp_avg_sq, step; SGD with momentum: momentum_buffer; any class: what its step
 makes, `parallel.optim.param_state`), a weight tied to another (an output head
@@ -53,6 +54,7 @@ from parallel.config import Config, ConfigError, RunError
 from parallel.lr_schedule import group_settings, restore_scheduler
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
+from parallel.models.lora import checkpointed
 from parallel.optim import state_shapes
 from parallel.profiling import phased
 from parallel.seeding import rng_state, set_rng_state
@@ -92,6 +94,9 @@ def training_state(run) -> tuple[dict, list[tuple[dict, dict]]]:
     them (Note [engine contract]). Returns (state dict for DCP, copies of tied weights' state to make equal
     after a load)."""
     model, optim, copies = run.engine.checkpoint_state(run.optimizer, run.canonical())
+    keep = checkpointed(run.cfg.model, {n: getattr(e.module, e.local_name) for n, e in run.plan.items()})
+    if keep is not None:  # with adapters: the frozen base weights come back from where they came from
+        model = {k: v for k, v in model.items() if k in keep}
     return {"model": model, "optim": optim}, copies
 
 
@@ -99,7 +104,9 @@ def expected_keys(cfg: Config) -> tuple[dict[str, tuple], bool]:
     """Every key a checkpoint of this model holds, with its shape (built on the meta device), and whether the
     optimizer's keys are among them (False: a user optimizer that cannot step on the meta device)."""
     model = build_meta_model(cfg.model)
-    keys = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    keep = checkpointed(cfg.model, dict(model.named_parameters(remove_duplicate=False))
+                        | dict(model.named_buffers(remove_duplicate=False)))
+    keys = {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items() if keep is None or k in keep}
     shapes = state_shapes(cfg, model)  # the first name of a tied weight, as `training_state` keys it
     for name, state in (shapes or {}).items():
         keys.update({f"optim.{name}.{k}": shape for k, shape in state.items()})

@@ -121,6 +121,19 @@ class StrategyConfig:
 
 
 @dataclass
+class LoraConfig:
+    # LoRA adapters through PEFT (Note [LoRA] in parallel/models/lora.py); r=0: none.
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # PEFT's target_modules: module names or name suffixes (e.g. [q_proj, v_proj]); empty: PEFT's default for
+    # the architecture.
+    targets: List[str] = field(default_factory=list)
+    # Modules trained in full beside the adapters (e.g. a new classification head).
+    modules_to_save: List[str] = field(default_factory=list)
+
+
+@dataclass
 class ModelConfig:
     # A built-in model's name (see parallel.models.MODELS), or "custom".
     name: str = "mlp"
@@ -141,7 +154,8 @@ class ModelConfig:
     # directory; they replace the initial values of every tensor they hold.
     weights: Optional[str] = None
     # With weights: every saved tensor of the model must be in them, and nothing else (false: the missing
-    # ones keep their initial values and the rest is ignored; both listed at start).
+    # ones keep their initial values and the rest is ignored; both listed at start). model=hf sets false
+    # (conf/model/hf.yaml): its directory loads as from_pretrained loads it.
     strict: bool = True
     # model=hf: a Hugging Face model directory (config.json, and its weights when pretrained), the Auto
     # class that builds it (default: the config's `architectures`), and config overrides.
@@ -149,6 +163,10 @@ class ModelConfig:
     auto_class: Optional[str] = None
     pretrained: bool = True
     config: Dict[str, Any] = field(default_factory=dict)
+    # LoRA through PEFT: model.lora.r=8 model.lora.targets=[q_proj,v_proj], or any PEFT config in Hydra's
+    # instantiate shape (+model.peft._target_=peft.LoraConfig +model.peft.r=8 ...); not both.
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    peft: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -258,6 +276,10 @@ class TrainerConfig:
     progress: bool = True
     # Write the trained weights, gathered and unpartitioned, to <run_dir>/final_model.pt.
     save_final: bool = False
+    # At the end of the run, export its weights into <run_dir>/export as launch/export.py does (Note [export] in
+    # parallel/export/__init__.py): from final_model.pt with save_final, else from the last checkpoint (which
+    # no rank gathers whole), so it needs one of them.
+    export: bool = False
     # Save a checkpoint (parallel.checkpoint) every N steps and at the last step; 0: none. The newest
     # keep_checkpoints complete ones are kept.
     checkpoint_every: int = 0
@@ -411,6 +433,9 @@ def check_trainer(t: TrainerConfig) -> None:
         fail("trainer.device", t.device, "unknown device", list(DEVICES))
     if t.precision not in PRECISIONS:
         fail("trainer.precision", t.precision, "unknown precision", list(PRECISIONS))
+    if t.export and not t.save_final and not t.checkpoint_every:
+        fail("trainer.export", t.export, "exports what the run saves: set trainer.save_final=true (its final "
+             "weights, gathered on rank 0) or trainer.checkpoint_every=N (its checkpoint at the last step)")
     if t.reduce_precision not in REDUCE_PRECISIONS:
         fail("trainer.reduce_precision", t.reduce_precision, "the dtype gradients are reduced in over "
              "data-parallel ranks", list(REDUCE_PRECISIONS))

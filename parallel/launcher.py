@@ -42,6 +42,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from parallel import preemption
 from parallel.config import ConfigError, from_dict
 from parallel.dims import device_for_rank
+from parallel.export import export_finished_run
 from parallel.memory.host import steady_host_allocations
 from parallel.memory.oom import OUT_OF_MEMORY, OutOfMemory
 from parallel.metrics import log, setup_logging
@@ -267,7 +268,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: str | None = None) -> None:
-    """One worker: device, process group, the run directory agreed on, then the trainer's run."""
+    """One worker: device, process group, the run directory agreed on, then the trainer's run; then, on rank 0,
+    the export (trainer.export)."""
     cfg = from_dict(cfg_dict)  # resolved and validated before the workers started
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = device_for_rank(cfg.trainer.device, local_rank)
@@ -302,7 +304,19 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
     except BaseException:
         _close_group(drain=False)
         raise
+    exporting = cfg.trainer.export and dist.get_rank() == 0
     _close_group(drain=True)
+    if exporting:  # Note [export at the end]
+        log.info("trainer.export: %s", export_finished_run(cfg, run_dir))
+
+
+# Note [export at the end]
+# trainer.export=true exports what the run saved last (final_model.pt or its
+# last checkpoint, Note [export]) from rank 0 alone, after the process group is
+# gone: an export reads and writes the whole model, which may take longer than
+# trainer.timeout_s, and the other ranks would otherwise wait for it in a
+# collective that times out. They end; rank 0 goes on, and the run ends when it
+# has exported (a failed export: one line, exit 1, the weights left as saved).
 
 
 _worked = False  # this process has run a worker (`_work`)

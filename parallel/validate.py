@@ -18,6 +18,7 @@ from parallel.loss import check_loss, check_loss_config
 from parallel.lr_schedule import check_schedule
 from parallel.memory.budget import check_memory
 from parallel.models.build import build_meta_model, check_model, check_model_takes_data
+from parallel.models.hf import derive_auto_class
 from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
 from parallel.optim import check_optimizer
@@ -81,6 +82,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_optim(cfg.optim)
     check_schedule(cfg)
     check_data(cfg.data, cfg.trainer.batch_size, cfg.trainer.eval_every)
+    derive_auto_class(cfg.model, cfg.data.task)  # model=hf without architectures: the task's class (resolved)
     check_loss_config(cfg.loss)
     if cfg.trainer.eval_every and not has_eval_data(cfg.data):
         fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",

@@ -44,14 +44,16 @@ def reference(shared_dir):
 def hf_dirs(tmp_path_factory):
     """Small Hugging Face model directories (config.json and weights, as save_pretrained writes them), built
     from configs in tests/hf_models.py: nothing is downloaded. Their weights are the model's own
-    initialization under seed 1 (a run with trainer.seed=0 would start elsewhere without loading them)."""
+    initialization under seed 1 (a run with trainer.seed=0 would start elsewhere without loading them);
+    `bert_base` holds an encoder without the masked-LM head (tests/hf_models.py bert_base)."""
     import torch
 
     from tests import hf_models
 
     root = tmp_path_factory.mktemp("hf")
     made = {}
-    for name, factory in (("llama", hf_models.llama), ("gpt2", hf_models.gpt2), ("bert", hf_models.bert_classifier)):
+    for name, factory in (("llama", hf_models.llama), ("gpt2", hf_models.gpt2), ("bert", hf_models.bert_classifier),
+                          ("bert_base", hf_models.bert_base)):
         torch.manual_seed(1)
         factory().save_pretrained(root / name)
         made[name] = str(root / name)

@@ -19,13 +19,14 @@ HF_FAST = ["trainer.steps=4", "trainer.log_every=1", "trainer.progress=false", "
 
 
 def llama(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
-          kv_heads: int = 2, tie: bool = False, **config):
-    """LlamaForCausalLM: grouped-query attention (kv_heads < heads), rotary embeddings, RMSNorm."""
+          kv_heads: int = 2, tie: bool = False, use_cache: bool = False, **config):
+    """LlamaForCausalLM: grouped-query attention (kv_heads < heads), rotary embeddings, RMSNorm. `use_cache`:
+    true is the config's default (the framework turns it off, as model=hf does)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
-                      tie_word_embeddings=tie, use_cache=False, **config)
+                      tie_word_embeddings=tie, use_cache=use_cache, **config)
     return LlamaForCausalLM(cfg)
 
 
@@ -41,12 +42,13 @@ def mistral(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int 
 
 
 def gpt2(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
-         dropout: float = 0.0):
-    """GPT2LMHeadModel: Conv1D layers, learned positions, the output head tied to the token embedding."""
+         dropout: float = 0.0, use_cache: bool = False):
+    """GPT2LMHeadModel: Conv1D layers, learned positions, the output head tied to the token embedding.
+    `use_cache`: true is the config's default (the framework turns it off, as model=hf does)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=dim, n_layer=layers, n_head=heads,
-                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=use_cache,
                      bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg)
 
@@ -60,6 +62,17 @@ def bert_classifier(vocab_size: int = 64, seq_len: int = 16, classes: int = 4, d
                      intermediate_size=2 * dim, max_position_embeddings=seq_len, num_labels=classes,
                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     return BertForSequenceClassification(cfg)
+
+
+def bert_base(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4):
+    """BertModel, the encoder alone with its pooler (as a sentence-transformers checkpoint holds it): loaded
+    with AutoModelForMaskedLM, its `cls.predictions` head is missing and its pooler unexpected."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=vocab_size, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=2 * dim, max_position_embeddings=seq_len, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    return BertModel(cfg)
 
 
 class BatchNormCNN(nn.Module):
@@ -199,9 +212,25 @@ def plain(model: str, pretrained: str | None = None):
     return plain_loop(globals()[model], {}, DATA[model][1], model=start)
 
 
+@functools.lru_cache(maxsize=None)
+def plain_from_pretrained(path: str, auto_class: str, seed: int = 0):
+    """(losses, final state) of the user's own loop on lm data (DATA["llama"]) started from
+    `torch.manual_seed(seed); AutoX.from_pretrained(path)`: what the directory lacks initialised by it."""
+    import transformers
+
+    torch.manual_seed(seed)
+    start = getattr(transformers, auto_class).from_pretrained(path)
+    return plain_loop(None, {}, DATA["llama"][1], seed=seed, model=start)
+
+
 def assert_as_plain(run_dir, model: str, pretrained: str | None = None, first_step: int = 1) -> None:
     """Loss per step within 1e-4 relative and final weights equal (rtol 1e-4, atol 1e-5) to the plain loop's."""
-    losses, state = plain(model, pretrained)
+    assert_as(run_dir, plain(model, pretrained), first_step)
+
+
+def assert_as(run_dir, reference: tuple, first_step: int = 1) -> None:
+    """`assert_as_plain` against `reference`, a plain loop's (losses, final state)."""
+    losses, state = reference
     torch.testing.assert_close(cli.losses(run_dir), losses[first_step - 1:], rtol=1e-4, atol=0)
     final = cli.final_weights(run_dir)
     assert sorted(final) == sorted(state)

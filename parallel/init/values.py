@@ -15,7 +15,10 @@ each rank holds (parallel.init.plan.materialize_and_init), each from one
   reading only its pieces; no rank holds the whole model. Buffers that are not
   saved (non-persistent ones, e.g. rotary `inv_freq`) come from building the
   model with its parameters on the meta device (`ConstructedBuffers`: the
-  buffers alone are real, and small).
+  buffers alone are real, and small). With `model.strict=false`, tensors the
+  files lack take the model's own values (above); for `model=hf` those are what
+  `torch.manual_seed(trainer.seed); cls.from_pretrained(path)` gives them: rank 0
+  builds the model that way (parallel.models.weights.build_own_model).
 - `model.init=name` (Note [initialization by name]): every tensor from a
   generator seeded by its name, one tensor at a time on every rank; no rank ever
   holds the whole model, so it is the path for a model too large for one host
@@ -98,20 +101,27 @@ class FromFiles(Values):
 
     Names are matched as the model has them; a file saved from the same architecture without its head
     (`prefix`, Hugging Face's `base_model_prefix`) or with it matches too; a tied weight matches any of its
-    names. Names the file lacks come from `fallback`.
+    names. `plain`, when given, names a tensor as the model without adapters names it (Note [LoRA] in
+    parallel/models/lora.py), None for an adapter's own: those are never in the files. Names the file lacks
+    come from `fallback`.
     """
 
-    def __init__(self, files: WeightFiles, plan: InitPlan, prefix: str = "", fallback: Values | None = None):
+    def __init__(self, files: WeightFiles, plan: InitPlan, prefix: str = "", fallback: Values | None = None,
+                 plain=None):
         self.files, self.fallback = files, fallback
+        self.own = {n for n in plan if plain is not None and plain(n) is None}  # an adapter's own tensors
         self.keys: dict[str, str] = {}
         for canonical, names in _aliases(plan).items():
+            if plain is not None:
+                names = [n for name in names if (n := plain(name)) is not None] + names
             key = next((k for n in names for k in _spellings(n, prefix) if k in files.shapes), None)
             if key is not None:
-                self.keys.update({n: key for n in names})
+                self.keys.update({n: key for n in _aliases(plan)[canonical]})
 
     def problems(self, plan: InitPlan, shapes: dict[str, tuple]) -> tuple[list[str], list[str], list[str]]:
         """(missing names, unexpected file keys, shape mismatches) against the model's names and shapes."""
-        missing = sorted({e.canonical for n, e in plan.items() if n not in self.keys and saved_in_state_dict(e)})
+        missing = sorted({e.canonical for n, e in plan.items()
+                          if n not in self.keys and n not in self.own and saved_in_state_dict(e)})
         used = set(self.keys.values())
         unexpected = sorted(k for k in self.files.shapes if k not in used)
         mismatched = sorted({f"{self.keys[n]}: file {list(self.files.shapes[self.keys[n]])}, model {list(shape)}"

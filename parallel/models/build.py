@@ -14,7 +14,8 @@ from parallel.data import example_input
 from parallel.init import check_initializable
 from parallel.loss import logits_of
 from parallel.models import MODELS
-from parallel.models.hf import hf_args, hf_model, hf_weights
+from parallel.models.hf import for_training, hf_args, hf_model, hf_pretrained, hf_weights
+from parallel.models.lora import add_adapters
 from parallel.tensors import meta_forward
 
 
@@ -38,19 +39,34 @@ def model_args(m: ModelConfig) -> dict:
     return hf_args(m) if m.name == "hf" and not m._target_ else dict(m.args)
 
 
+def pretrained_dir(m: ModelConfig) -> str | None:
+    """The model=hf directory whose own weights are loaded (model.pretrained, and no model.weights instead)."""
+    return hf_weights(m) if m.name == "hf" and not m._target_ and m.weights is None else None
+
+
 def weights_path(m: ModelConfig) -> str | None:
     """The pretrained weights to load: model.weights, or a model=hf directory's own."""
-    if m.weights is not None:
-        return m.weights
-    return hf_weights(m) if m.name == "hf" and not m._target_ else None
+    return m.weights if m.weights is not None else pretrained_dir(m)
+
+
+def build_model(m: ModelConfig, pretrained: bool = False) -> nn.Module:
+    """The user's model as their own script builds it, on the current device, under the caller's seed: the
+    factory's, or with `pretrained` (model=hf with its directory's weights) `from_pretrained`'s; then made
+    ready to train (Note [Hugging Face models for training] in parallel/models/hf.py). Every build of the
+    model goes through here: the meta model, rank 0's initial values (parallel.models.weights.build_own_model)
+    and the constructed buffers; each caller then adds the adapters (add_adapters, Note [LoRA])."""
+    if pretrained and pretrained_dir(m) is not None:
+        model = hf_pretrained(**hf_args(m))
+    else:
+        model = resolve_factory(m)(**model_args(m))
+    return for_training(model)
 
 
 def build_meta_model(m: ModelConfig) -> nn.Module:
     """Build the model on the meta device (no memory) and check it is an nn.Module that can be initialized."""
-    factory = resolve_factory(m)
     try:
         with torch.device("meta"):
-            model = factory(**model_args(m))
+            model = add_adapters(build_model(m), m)
     except ConfigError:
         raise  # model=hf's own checks name their keys
     except (TypeError, ValueError) as e:

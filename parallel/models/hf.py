@@ -1,13 +1,18 @@
 """`model=hf`: a Hugging Face transformers model from a directory on disk, without a wrapper.
 
-The architecture comes from the directory's `config.json` (`architectures`, or `model.auto_class`), with
-`model.config` overrides; the model is built as `from_config` builds it (its own `_init_weights`), and its
-weights are loaded from the directory when it has them and `model.pretrained` is true (parallel.init.values).
-Nothing is downloaded: the directory is read with `local_files_only`, and Hugging Face's hub is kept offline.
+The architecture comes from the directory's `config.json` (`architectures`, `model.auto_class`, or the class
+`data.task` names), with `model.config` overrides; the model is built as `from_config` builds it (its own
+`_init_weights`), and its weights are loaded from the directory when it has them and `model.pretrained` is
+true (parallel.init.values; what they lack as `from_pretrained` initialises it, `hf_pretrained`). Nothing is
+downloaded: the directory is read with `local_files_only`, and Hugging Face's hub is kept offline.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import sys
 from pathlib import Path
 
 from torch import nn
@@ -15,9 +20,13 @@ from torch import nn
 from parallel.config import ConfigError, ModelConfig, fail
 from parallel.init.files import has_weights
 
+log = logging.getLogger("parallel")
+
 AUTO_CLASSES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                 "AutoModelForTokenClassification", "AutoModelForImageClassification", "AutoModelForQuestionAnswering",
                 "AutoModelForSeq2SeqLM")
+# The class a task trains, for a config.json that names no architecture (`LlamaConfig(...).save_pretrained`).
+TASK_CLASSES = {"lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
 
 
 def _transformers():
@@ -39,9 +48,59 @@ def hf_config(path: str, overrides: dict | None = None):
         if not hasattr(config, key):
             fail(f"model.config.{key}", value, f"is not a setting of {type(config).__name__}")
         setattr(config, key, value)
-    if hasattr(config, "use_cache"):
-        config.use_cache = False  # training: no key/value cache is kept between steps
+    cache_off(config)
     return config
+
+
+# Note [Hugging Face models for training]
+# A transformers model gets the same handling whoever builds it (model=hf, or a `_target_` factory returning
+# `LlamaForCausalLM(LlamaConfig(...))` with the config's defaults), in `for_training`, which every build
+# calls (parallel.models.build.build_model):
+# - the key/value cache off (`config.use_cache=False`): training never reads it, and a cache object returned
+#   from forward (transformers' DynamicCache) cannot be traced into pipeline stages nor sent between them.
+#   Turning it off changes no value the model computes, so the run stays the user's own loop's.
+# - training mode: `from_pretrained` returns a model in eval mode (dropout off).
+# With pretrained weights that lack some of the class's tensors, rank 0 builds the model as the user's script
+# does, `torch.manual_seed(seed); cls.from_pretrained(path)` (`hf_pretrained`), so the missing ones get the
+# values from_pretrained gives them (Note [initial values] in parallel/init/values.py).
+def cache_off(config) -> None:
+    """Turn the key/value cache off in `config` and in its text model's config (a composite model's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in (config, text):
+        if hasattr(c, "use_cache"):
+            c.use_cache = False
+
+
+def is_transformers_model(model) -> bool:
+    """Whether `model` is a transformers PreTrainedModel (importing nothing: such a model exists only once
+    transformers has imported the module that defines the class)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
+
+
+def for_training(model):
+    """`model` ready to train, in place (Note [Hugging Face models for training]); any other object as it is."""
+    if is_transformers_model(model):
+        cache_off(model.config)
+    if isinstance(model, nn.Module):
+        model.train()
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers' load report and progress bars off: the framework lists what the weights lack or hold
+    beyond the model once, before workers start (parallel.models.weights.check_weights)."""
+    tf_logging = _transformers().utils.logging
+    level, bars = tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()
+    tf_logging.set_verbosity_error()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(level)
+        if bars:
+            tf_logging.enable_progress_bar()
 
 
 def hf_class(config, auto_class: str | None):
@@ -54,7 +113,8 @@ def hf_class(config, auto_class: str | None):
         return getattr(transformers, auto_class)
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
-        fail("model.auto_class", None, "config.json names no architectures: set the Auto class to build it with",
+        fail("model.auto_class", None, "config.json names no architectures and data.task names no class "
+             f"({', '.join(f'{t}: {c}' for t, c in TASK_CLASSES.items())}): set the Auto class to build it with",
              list(AUTO_CLASSES))
     if not hasattr(transformers, architectures[0]):
         fail("model.path", None, f"config.json's architecture {architectures[0]} is not in transformers "
@@ -72,6 +132,32 @@ def hf_model(path: str, auto_class: str | None = None, config: dict | None = Non
         except ValueError as e:
             fail("model.auto_class", auto_class, f"cannot build {type(conf).__name__}: {str(e).splitlines()[0]}")
     return cls._from_config(conf)
+
+
+def hf_pretrained(path: str, auto_class: str | None = None, config: dict | None = None) -> nn.Module:
+    """The model of the directory `path` with its weights, as `cls.from_pretrained(path)` loads it (what the
+    weights lack initialised by from_pretrained, with the current global generator); takes `hf_model`'s
+    arguments."""
+    conf = hf_config(path, config)
+    cls = hf_class(conf, auto_class)
+    with _quiet_loading():
+        return cls.from_pretrained(path, config=conf, local_files_only=True)
+
+
+def derive_auto_class(m: ModelConfig, task: str) -> None:
+    """model=hf of a directory whose config.json names no architecture: `model.auto_class` from the task
+    (TASK_CLASSES), in place, said in the log; nothing when it is set, or the task names no class (hf_class
+    then says what to set)."""
+    if m.name != "hf" or m._target_ or m.auto_class is not None or not m.path or task not in TASK_CLASSES:
+        return
+    try:
+        architectures = json.loads((Path(m.path) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config.json: hf_config names the problem
+    if not architectures:
+        m.auto_class = TASK_CLASSES[task]
+        log.info("model.path=%s: config.json names no architectures; data.task=%s builds it with %s (set "
+                 "model.auto_class for another class)", m.path, task, m.auto_class)
 
 
 def hf_args(m: ModelConfig) -> dict:

@@ -15,25 +15,28 @@ from parallel.init import InitPlan, init_plan
 from parallel.init.by_name import name_seed
 from parallel.init.files import WeightFileError, WeightFiles, save_weights
 from parallel.init.values import ByName, ConstructedBuffers, FromFiles, Values
-from parallel.models.build import model_args, resolve_factory, weights_path
+from parallel.models.build import build_model, pretrained_dir, weights_path
+from parallel.models.lora import add_adapters, base_name
 
 SHOWN = 8  # names listed per kind of problem; the rest are counted
 log = logging.getLogger("parallel")
 
 
 def build_own_model(m: ModelConfig, seed: int) -> nn.Module:
-    """The model exactly as the user's code makes it on the CPU: `torch.manual_seed(seed); factory(**args)`.
-    A module that follows the framework's `init_parameter(name, tensor, generator)` protocol then fills its
-    own tensors as it asks (seeded by name, as under model.init=name)."""
+    """The model exactly as the user's code makes it on the CPU: `torch.manual_seed(seed); factory(**args)`,
+    or for model=hf with its directory's weights `torch.manual_seed(seed); cls.from_pretrained(path)` (what the
+    weights lack then has from_pretrained's values; Note [initial values]). A module that follows the
+    framework's `init_parameter(name, tensor, generator)` protocol then fills its own tensors as it asks
+    (seeded by name, as under model.init=name)."""
     torch.manual_seed(seed)
-    model = resolve_factory(m)(**model_args(m))
+    model = build_model(m, pretrained=True)
     with torch.no_grad():
         for mod_name, module in model.named_modules():
             if hasattr(module, "init_parameter"):
                 for local, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
                     fqn = f"{mod_name}.{local}" if mod_name else local
                     module.init_parameter(local, t.data, torch.Generator().manual_seed(name_seed(seed, fqn)))
-    return model
+    return add_adapters(model, m)  # after the user's build, as their script adds them (Note [LoRA])
 
 
 def write_own_weights(m: ModelConfig, seed: int, path: Path) -> None:
@@ -64,15 +67,15 @@ def initial_values(m: ModelConfig, seed: int, run_dir: Path, model: nn.Module, p
     """This run's `Values` (collective: every rank calls it). `model` is the meta model, `plan` its names."""
     weights = weights_path(m)
     pretrained = None if weights is None else \
-        FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", ""))
+        FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", ""), plain=base_name)
     if m.init == "name":
         own: Values = ByName(seed, model)
-    elif pretrained is None or (not m.strict and pretrained.problems(plan, {})[0]):
+    elif pretrained is None or pretrained.own or (not m.strict and pretrained.problems(plan, {})[0]):
         path = Path(run_dir) / "initial_weights.safetensors"  # removed once every rank has read it (`done`)
         _on_rank0(lambda p: write_own_weights(m, seed, p), path)
         own = FromFiles(WeightFiles(str(path)), plan)
     else:
-        own = ConstructedBuffers(lambda: resolve_factory(m)(**model_args(m)), seed)
+        own = ConstructedBuffers(lambda: add_adapters(build_model(m), m), seed)
     if pretrained is None:
         return own
     pretrained.fallback = own  # what the files lack (non-persistent buffers; with model.strict=false, more)
@@ -101,7 +104,8 @@ def check_weights(m: ModelConfig, model: nn.Module) -> None:
     plan = init_plan(model)
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(remove_duplicate=False),
                                               *model.named_buffers(remove_duplicate=False)]}
-    missing, unexpected, mismatched = FromFiles(files, plan, getattr(model, "base_model_prefix", "")).problems(
+    missing, unexpected, mismatched = FromFiles(files, plan, getattr(model, "base_model_prefix", ""),
+                                                plain=base_name).problems(
         plan, shapes)
     files.close()
     if mismatched:
@@ -111,7 +115,9 @@ def check_weights(m: ModelConfig, model: nn.Module) -> None:
                  f"unexpected {len(unexpected)}: {_listed(unexpected)}" if unexpected else ""]
         fail(key, weights, f"do not fit {type(model).__name__}; " + "; ".join(f for f in found if f),
              "model.strict=false keeps the initial values of missing tensors and ignores unexpected ones")
-    for what, names in (("lack; initial values kept for", missing), ("hold, ignored:", unexpected)):
+    # model=hf: what the directory lacks is initialised as from_pretrained initialises it (build_own_model).
+    kept = "from_pretrained's initial values" if pretrained_dir(m) else "initial values kept"
+    for what, names in ((f"lack; {kept} for", missing), ("hold, ignored:", unexpected)):
         if names:
             log.warning("the weights %s %s %d tensors (%s)", weights, what, len(names), _listed(names))
 

@@ -39,8 +39,9 @@ class Block:
     index: int
     name: str
     module: nn.Module
-    slots: list[Slot]
+    slots: list[Slot]  # the trainable parameters first
     nbytes: int
+    trained: int = 0  # bytes from the start that hold trainable parameters: what a step writes back
     buffer: torch.Tensor | None = None  # bound or being read
     pending: object = None  # the read into `buffer`, while it runs
     grads_ready: int = 0  # trainable parameters whose gradient is complete this step
@@ -109,15 +110,17 @@ class Layout:
                 holders.setdefault(real[id(p)], set()).add(i)
         blocks = []
         for i, (name, m) in enumerate(zip(names, mods)):
-            slots, offset = [], 0
-            for p in dict.fromkeys(real[id(p)] for p in m.parameters()):
-                if len(holders[p]) != 1:
-                    continue  # shared between blocks: resident
+            slots, offset, trained = [], 0, 0
+            ps = [p for p in dict.fromkeys(real[id(p)] for p in m.parameters()) if len(holders[p]) == 1]
+            # (a parameter shared between blocks stays resident) Trainable ones first: a step then writes back
+            # one leading range, and the frozen rest of the block (LoRA's base weights) is only ever read.
+            for p in sorted(ps, key=lambda p: not p.requires_grad):
                 shape, dtype = self.shapes[p]
                 nbytes = shape.numel() * dtype.itemsize
                 slots.append(Slot(p, self.fqns[p], shape, dtype, offset, nbytes))
                 offset += aligned(nbytes)
-            blocks.append(Block(i, name, m, slots, max(offset, ALIGN)))
+                trained = offset if p.requires_grad else trained
+            blocks.append(Block(i, name, m, slots, max(offset, ALIGN), trained))
         return blocks
 
     def install(self) -> None:

@@ -116,7 +116,7 @@ class OffloadState:
         self._load_blocks(model, optim)
         adamw = self.adamw
         for fqn, p in self.model.named_parameters(remove_duplicate=False):
-            if id(p) not in self.layout.block_of:
+            if id(p) not in self.layout.block_of and fqn in model:
                 p.copy_(model[fqn])
         for p in self.layout.resident:
             if p.requires_grad:
@@ -138,8 +138,11 @@ class OffloadState:
         stream, adamw = self.stream, self.adamw
         for b in self.layout.blocks:
             flat = b.pool.take() if stream.streaming else b.buffer
+            if stream.streaming and any(s.fqn not in model for s in b.slots):
+                finish(stream.tier.read(b.key(), flat[:b.nbytes]))  # what the checkpoint leaves out stays
             for s in b.slots:
-                s.view(flat).copy_(model[s.fqn])
+                if s.fqn in model:  # a LoRA checkpoint holds no frozen weights (Note [LoRA])
+                    s.view(flat).copy_(model[s.fqn])
             if stream.streaming:
                 finish(stream.tier.write(b.key(), flat[:b.nbytes]))
                 b.pool.give(flat)
@@ -151,6 +154,6 @@ class OffloadState:
                     self._loaded(s.param, optim[s.fqn])
                 if pooled:
                     for kind, buf in zip("mv", bufs):
-                        finish(adamw.tier.write(b.key(kind), buf[:b.nbytes]))
+                        finish(adamw.tier.write(b.key(kind), buf[:b.trained]))
                         adamw.pool.give(buf)
                     b.state_ready = True

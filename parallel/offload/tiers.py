@@ -105,9 +105,12 @@ class DiskTier:
         return self.path / f"{key}.bin"
 
     def write(self, key: str, src: torch.Tensor) -> Future:
-        """Copy the bytes of `src` (contiguous, CPU) to the file of `key`."""
+        """Copy the bytes of `src` (contiguous, CPU) to the start of the file of `key`; bytes of the file past
+        them stay (a block's step writes back its trainable leading range only)."""
         def run():
-            with phase(f"offload {self.path.name} write {key}"), open(self._file(key), "wb", buffering=0) as f:
+            path = self._file(key)
+            mode = "r+b" if path.exists() else "wb"
+            with phase(f"offload {self.path.name} write {key}"), open(path, mode, buffering=0) as f:
                 f.write(raw_bytes(src))
             self.counters.add(written=src.numel() * src.element_size())
         return self.pool.submit(run)
@@ -147,12 +150,14 @@ class HostTier:
         self.host: dict[str, torch.Tensor] = {}
 
     def write(self, key: str, src: torch.Tensor) -> "_Event":
+        """Copy `src` (flat bytes) to the start of the host buffer of `key` (made at the first write); bytes
+        past them stay, as on the disk tier."""
         host = self.host.get(key)
         if host is None:
             host = self.host[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with phase(f"offload cpu write {key}"), torch.cuda.stream(self.stream):
-            host.copy_(src, non_blocking=True)
+            host[:src.numel()].copy_(src, non_blocking=True)
             src.record_stream(self.stream)
         self.counters.add(written=src.numel() * src.element_size())
         return _Event(self.stream, sync=True)

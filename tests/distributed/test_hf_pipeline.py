@@ -1,6 +1,7 @@
 """strategy=pipeline on Hugging Face models (tests/hf_models.py) trains as the user's own plain loop: Llama
-(rotary embeddings, grouped-query attention), GPT-2 (output head tied to the token embedding across stages)
-and a BERT classifier (encoder, pooler, head), split at their nested decoder / encoder blocks; and Llama under
+(rotary embeddings, grouped-query attention), GPT-2 (output head tied to the token embedding across stages),
+both with their configs' default use_cache=True, and a BERT classifier (encoder, pooler, head), split at their
+nested decoder / encoder blocks; and Llama under
 strategy=hybrid, dp 2 x pp 2 with ZeRO-3 over its traced blocks (Note [own or traced blocks] in
 parallel/strategies/pipeline/stages.py): trained, resumed on one process, and planned."""
 import pytest
@@ -20,12 +21,14 @@ def pipeline_run(tmp_path, model: str, extra: list[str]):
     return tmp_path
 
 
-# Llama's 1F1B balanced split is trained by the dp 2 x pp 2 run below (and under strategy=pipeline by the
-# interleaved test), so it is not run here a second time.
+# Llama and GPT-2 come from `_target_` factories with their configs' defaults (use_cache=True, as a user writes
+# `LlamaForCausalLM(LlamaConfig(...))`): they get model=hf's handling, the cache off (Note [Hugging Face
+# models for training]), and train as the plain loop (the cache changes no value).
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("model", ["gpt2", "bert_classifier"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "bert_classifier"])
 def test_1f1b_balanced_is_the_users_own_loop(tmp_path, model):
-    run = pipeline_run(tmp_path, model, ["strategy.schedule=1F1B"])
+    cache = ["+model.args.use_cache=true"] if model in ("llama", "gpt2") else []
+    run = pipeline_run(tmp_path, model, ["strategy.schedule=1F1B"] + cache)
     assert_as_plain(run, model)
     if model == "gpt2":  # the head (last stage) and the embedding (first stage) stayed one weight
         final = cli.final_weights(run)

@@ -1,6 +1,8 @@
 """Initial values (Note [initial values]): the model's own, weight files of every format, model=hf, and the
 bad inputs around them, each a ConfigError naming its key before any worker starts."""
+import contextlib
 import json
+import logging
 import sys
 
 import pytest
@@ -185,3 +187,86 @@ def test_bad_models_and_weights_are_config_errors(case, key, words, hf_dirs, tmp
     assert str(info.value).startswith(key), str(info.value)
     assert words in str(info.value), str(info.value)
 
+
+
+def test_a_directory_missing_the_head_starts_from_from_pretrained(hf_dirs, tmp_path):
+    """model=hf of an encoder checkpoint under AutoModelForMaskedLM (model.strict=false, model=hf's default):
+    every tensor, the missing head included, is what `torch.manual_seed(seed); from_pretrained` gives."""
+    from transformers import AutoModelForMaskedLM
+
+    m = ModelConfig(name="hf", path=hf_dirs["bert_base"], auto_class="AutoModelForMaskedLM", strict=False)
+    got = materialized(m, tmp_path, seed=3)
+    torch.manual_seed(3)
+    want = AutoModelForMaskedLM.from_pretrained(hf_dirs["bert_base"])
+    assert_equal_tensors(got, dict([*want.named_parameters(remove_duplicate=False),
+                                    *want.named_buffers(remove_duplicate=False)]))
+
+
+@contextlib.contextmanager
+def parallel_log(caplog, level: int):
+    """The framework's log captured, whether it propagates or not (a worker's setup turns that off)."""
+    log = logging.getLogger("parallel")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(level, logger="parallel"):
+            yield
+    finally:
+        log.removeHandler(caplog.handler)
+
+
+def test_a_directory_missing_the_head_is_listed_once_or_refused_with_strict(hf_dirs, caplog):
+    cfg = hf_cfg(hf_dirs["bert_base"], auto_class="AutoModelForMaskedLM", strict=False)
+    with parallel_log(caplog, logging.WARNING):
+        validate(cfg, 1)
+    assert len({id(r) for r in caplog.records if "lack" in r.getMessage()}) == 1  # one warning lists them
+    assert "lack; from_pretrained's initial values for 5 tensors (cls.predictions.bias" in caplog.text
+    assert "hold, ignored: 2 tensors (pooler.dense.bias, pooler.dense.weight)" in caplog.text
+    cfg.model.strict = True
+    with pytest.raises(ConfigError, match=r"^model.path=.*missing 5: cls.predictions.bias.*unexpected 2: pooler"):
+        validate(cfg, 1)
+
+
+@pytest.mark.parametrize("task,data,cls", [
+    ("lm", {}, "LlamaForCausalLM"),
+    ("classification", {"inputs": "tokens", "classes": 4}, "LlamaForSequenceClassification"),
+])
+def test_a_config_without_architectures_builds_the_tasks_class(task, data, cls, tmp_path, caplog):
+    """config.json as `LlamaConfig(...).save_pretrained(dir)` writes it (no architectures): data.task says the
+    Auto class, in the log; model.auto_class still wins."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=16, num_labels=4, pad_token_id=0,
+                ).save_pretrained(tmp_path)
+    cfg = hf_cfg(str(tmp_path))
+    cfg.data.task = task
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    with parallel_log(caplog, logging.INFO):
+        validate(cfg, 1)
+    assert type(build_meta_model(cfg.model)).__name__ == cls
+    assert f"config.json names no architectures; data.task={task} builds it with AutoModelFor" in caplog.text
+    cfg = hf_cfg(str(tmp_path), auto_class="AutoModelForCausalLM")
+    cfg.data.task = task
+    for key, value in data.items():
+        setattr(cfg.data, key, value)
+    if task == "classification":  # the set class wins: a causal LM does not give the classes' outputs
+        with pytest.raises(ConfigError, match="data.task=classification"):
+            validate(cfg, 1)
+    else:
+        validate(cfg, 1)
+    assert cfg.model.auto_class == "AutoModelForCausalLM"
+
+
+@pytest.mark.parametrize("factory", ["llama", "gpt2"])
+def test_a_factorys_hf_model_trains_without_its_cache(factory):
+    """A `_target_` factory's PreTrainedModel with its config's default use_cache=True gets model=hf's handling
+    (cache off, training mode) and so splits into pipeline stages (tests/distributed/test_hf_pipeline.py
+    trains it)."""
+    cfg = Config()
+    cfg.model = ModelConfig(name="custom", _target_=f"tests.hf_models.{factory}", args={"use_cache": True})
+    cfg.data.task, cfg.data.seq_len, cfg.trainer.batch_size = "lm", 16, 8
+    cfg.strategy.name = "pipeline"
+    validate(cfg, 2)
+    model = build_meta_model(cfg.model)
+    assert model.config.use_cache is False and model.training

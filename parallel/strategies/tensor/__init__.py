@@ -50,6 +50,7 @@ from parallel.config import Config, ConfigError, StrategyConfig, fail
 from parallel.data import example_input
 from parallel.metrics import log
 from parallel.models.hf import hf_tp_plan
+from parallel.models.lora import adapter_plan
 from parallel.runtime import Runtime
 from parallel.strategies.tensor.checks import check_heads, check_module, check_ties
 from parallel.strategies.tensor.infer import infer_plan
@@ -92,6 +93,7 @@ def _resolve(model: nn.Module, cfg: Config, example: tuple) -> tuple[dict[str, s
             raise ConfigError("strategy.sequence_parallel=true: an inferred plan has no sequence parallelism; "
                               "give strategy.tp_plan with the seq_* styles")
         plan, source = infer_plan(model, example), "inferred"
+    plan = adapter_plan(model, plan)  # LoRA layers: the base layer split, the adapter beside it (Note [LoRA])
     try:
         _check(model, plan, tp)
     except ConfigError as e:
