@@ -3,7 +3,7 @@
 # Note [engine contract]
 Every strategy returns an `Engine`; the trainer, the checkpoints, the memory
 watch and the planner talk to this interface only, so strategy-specific work
-stays in the strategy:
+stays in the strategy. What every engine does:
 
     model                what the optimizer and the memory watch see (this rank's pieces)
     holds_loss           this rank computes the loss (a pipeline's last stage; every rank otherwise)
@@ -14,18 +14,23 @@ stays in the strategy:
                          and random generators as they were; returns its [summed loss, count, correct]
     clip                 the global gradient norm (over every shard and stage), clipped when max_norm > 0
     metrics              the engine's own figures for a logged step (collective: every rank calls it)
-    make_optimizer       an engine that steps its own weights returns its optimizer (offload), given the
-                         parameters' unpartitioned names for the groups; None otherwise
     state_sharding       how the optimizer state is sharded (ZeRO 1: parallel.optim.StateSharding, set by
                          the strategy that shards it); None: every rank keeps its parameters' whole state
-    wants_next_input     look_ahead(x) is handed the next step's input while this step trains
     kept_tensors         what it keeps between steps besides weights, gradients and optimizer state
                          (receive buffers, a buffer pool), counted by the memory watch
-    optimizer_tensors    of those, the ones the planner counts as optimizer memory (offload's own state)
     state_modules        the modules whose state dicts hold this rank's tensors under the unpartitioned names
     checkpoint_state     (model, optimizer state, copies) for a checkpoint; load_checkpoint_state after a load
     full_state_dict      the unpartitioned weights, gathered on rank 0
     close                release threads, files and buffers (also when the run fails)
+
+What only some engines have is a capability, a class of its own the trainer
+asks for once, when it builds the run (`isinstance`):
+
+    OwnOptimizer         steps its own weights (offload): make_optimizer, given the parameters'
+                         unpartitioned names for the groups, and optimizer_tensors, the tensors of its
+                         state the planner counts as optimizer memory
+    LooksAhead           is handed the next step's input while this step trains (look_ahead), when
+                         `looking_ahead` says it wants it (offload's frozen part run one batch ahead)
 """
 from __future__ import annotations
 
@@ -56,7 +61,6 @@ class Engine:
     model: nn.Module
     holds_loss: bool = True
     loss_group = None
-    wants_next_input: bool = False
     state_sharding = None
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -76,16 +80,7 @@ class Engine:
     def metrics(self) -> dict:
         return {}
 
-    def make_optimizer(self, names: dict[int, str]) -> torch.optim.Optimizer | None:
-        return None
-
-    def look_ahead(self, x_next: torch.Tensor) -> None:
-        """Start on the next step's input (only called when `wants_next_input`)."""
-
     def kept_tensors(self) -> list[torch.Tensor]:
-        return []
-
-    def optimizer_tensors(self) -> list[torch.Tensor]:
         return []
 
     def state_modules(self) -> list[nn.Module]:
@@ -125,6 +120,39 @@ class Engine:
 
     def close(self) -> None:
         pass
+
+
+class OwnOptimizer:
+    """A capability (Note [engine contract]): the engine steps its own weights."""
+
+    def make_optimizer(self, names: dict[int, str]) -> torch.optim.Optimizer:
+        """The optimizer the trainer and the LR schedule see, its groups made from the parameters' `names`."""
+        raise NotImplementedError
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """The tensors of its optimizer's state, counted as optimizer memory by the planner."""
+        raise NotImplementedError
+
+
+class LooksAhead:
+    """A capability (Note [engine contract]): the engine starts on the next step's input during this one."""
+
+    @property
+    def looking_ahead(self) -> bool:
+        """Whether this run wants the next step's input."""
+        raise NotImplementedError
+
+    def look_ahead(self, x_next: torch.Tensor) -> None:
+        """Start on the next step's input."""
+        raise NotImplementedError
+
+
+def own_optimizer(engine: Engine) -> OwnOptimizer | None:
+    return engine if isinstance(engine, OwnOptimizer) else None
+
+
+def looks_ahead(engine: Engine) -> LooksAhead | None:
+    return engine if isinstance(engine, LooksAhead) and engine.looking_ahead else None
 
 
 def grad_average(group) -> int:

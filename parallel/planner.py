@@ -84,6 +84,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from parallel.config import Config, cuda_run
 from parallel.data import planned_data
 from parallel.dims import ParallelDims, batch_mesh
+from parallel.engine import own_optimizer
 from parallel.flops import Flops
 from parallel.init import Blank
 from parallel.loss import end_steps
@@ -205,7 +206,8 @@ class _PeakTracker(LiveTensorBytes):
         grads = self._storages(p.grad for p in self.model.parameters() if p.grad is not None)
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
         opt = self._storages(t for s in optimizer.state.values() for t in s.values())
-        opt |= self._storages(self.engine.optimizer_tensors())
+        own = own_optimizer(self.engine)
+        opt |= self._storages(own.optimizer_tensors() if own is not None else [])
         workspaces = self._storages(self.cuda.workspaces.values()) if self.cuda is not None else set()
         kinds = dict.fromkeys(KINDS, 0)
         self.raw, self.workspaces = 0, 0

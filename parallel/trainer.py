@@ -21,7 +21,7 @@ from parallel import checkpoint, evaluation, preemption
 from parallel.config import Config
 from parallel.data import DataSource, build_data, build_eval_data
 from parallel.dims import ParallelDims, batch_mesh
-from parallel.engine import Engine
+from parallel.engine import Engine, LooksAhead, looks_ahead, own_optimizer
 from parallel.init import ByName, InitPlan, init_plan
 from parallel.loss import end_steps
 from parallel.lr_schedule import build_scheduler
@@ -53,6 +53,7 @@ class Run:
     is_logger: bool
     plan: InitPlan  # of the unpartitioned model: names -> initialization and canonical names of tied weights
     next_batch: tuple | None = None  # (step, x, y) read one step early for an engine that looks ahead
+    ahead: LooksAhead | None = None  # the engine, when it looks ahead (Note [engine contract])
     rng_seed: int = 0  # this rank's stream of random numbers (Note [random numbers] in parallel/seeding.py)
     eval_data: DataSource | None = None  # with trainer.eval_every (Note [evaluation] in parallel/evaluation.py)
     compile_clock: CompileClock | None = None  # with trainer.compile (Note [regional compilation])
@@ -93,7 +94,9 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
         runtime = dataclasses.replace(runtime, values=values)
     engine = parallelize(model, mesh, cfg, runtime, plan)
     names = param_names(engine.state_modules(), {name: entry.canonical for name, entry in plan.items()})
-    optimizer = engine.make_optimizer(names) or build_optimizer(engine.model, names, cfg, engine.state_sharding)
+    own = own_optimizer(engine)
+    optimizer = own.make_optimizer(names) if own is not None else \
+        build_optimizer(engine.model, names, cfg, engine.state_sharding)
     # Each dp x ep rank reads its share of the global batch; cp ranks read the same samples (Note [mesh
     # dimensions] in parallel/dims.py).
     batch = batch_mesh(mesh)
@@ -107,7 +110,7 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
         if cfg.trainer.eval_every else None
     clock = CompileClock() if compiling(cfg, runtime) else None  # blocks compile at the first step, not here
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
-               rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock)
+               rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock, ahead=looks_ahead(engine))
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
@@ -152,9 +155,9 @@ def next_batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         x, y = run.data.batch(step, run.device)
     run.next_batch = None
-    if run.engine.wants_next_input and step < run.cfg.trainer.steps:
+    if run.ahead is not None and step < run.cfg.trainer.steps:
         run.next_batch = (step + 1, *run.data.batch(step + 1, run.device))
-        run.engine.look_ahead(run.next_batch[1])
+        run.ahead.look_ahead(run.next_batch[1])
     return x, y
 
 

@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallel.blocks import candidates
 from parallel.config import Config, RunError
 from parallel.data import example_input
-from parallel.engine import Engine, autocast, evaluating
+from parallel.engine import Engine, LooksAhead, OwnOptimizer, autocast, evaluating
 from parallel.init import InitPlan
 from parallel.loss import Loss, build_loss
 from parallel.memory.host import set_mmap_threshold
@@ -94,7 +94,7 @@ class OffloadIO:
     activation_store = ActivationStore
 
 
-class OffloadEngine(Engine):
+class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
     """The whole model on one device, its blocks streamed (Note [offload engine]).
 
     Args:
@@ -215,7 +215,7 @@ class OffloadEngine(Engine):
             return self.loss.score(self.model(x), y)
 
     @property
-    def wants_next_input(self) -> bool:
+    def looking_ahead(self) -> bool:
         """Whether the trainer should hand over the next step's input (`look_ahead`)."""
         return self.n_ahead > 0
 
