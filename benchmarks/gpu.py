@@ -280,7 +280,7 @@ def single_vs_hand_row(b: Bench) -> dict:
     if "error" in row:
         return row
     mfu = [p["single"].get("mfu") for p in good]
-    known = all(m is not None for m in mfu)  # an unknown GPU logs no mfu (README: Looking at a run)
+    known = all(m is not None for m in mfu)  # an unknown GPU logs no mfu (docs/observability.md)
     return row | {
         "mfu": statistics.median(mfu) if known else None,
         # The same model FLOPs per step at the same peak, in the hand-written loop's time.

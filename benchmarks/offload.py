@@ -8,7 +8,7 @@ Two cases, each run without offload (`strategy=single`) and with it
   weights      an MLP with ~2 GB of training state (600 MB of weights, their
                gradients and two AdamW moments); weights, gradients and
                optimizer state on disk, the step overlapping backward
-               (trainer.clip_grad_norm=0, see the README).
+               (trainer.clip_grad_norm=0, see docs/offload.md).
   activations  a narrower MLP on a large batch, whose saved activations dwarf
                its weights; activations on disk as well.
 

@@ -1,4 +1,4 @@
-"""Export a run's trained weights (see README, "Exporting"; Note [export] in parallel/export/__init__.py).
+"""Export a run's trained weights (docs/fine-tuning.md, "Exporting"; Note [export] in parallel/export/__init__.py).
 
     python launch/export.py checkpoint=PATH out=DIR [overwrite=true] [lora=merged|adapter] [max_shard_size=5GB]
 

@@ -1,4 +1,4 @@
-"""Write a dataset of shards for `data=shards` (README, "Datasets larger than RAM").
+"""Write a dataset of shards for `data=shards` (docs/data.md, "Datasets larger than RAM").
 
     python launch/make_shards.py features=F.npy targets=T.npy out=DIR [shard_size=256MB]
     python launch/make_shards.py text=FILES tokenizer=TOK seq_len=L out=DIR [split=file] [eos=TOKEN|none]

@@ -1,4 +1,4 @@
-"""How much memory each rank will need, before running (see README, "Planning memory").
+"""How much memory each rank will need, before running (docs/planning.md).
 
     python launch/plan.py [the overrides train.py takes] world_size=N [plan.by_module=true] [plan.top=K]
 

@@ -2,7 +2,7 @@
 
     python scripts/tensorboard_screenshot.py [RUN_DIR] [--out docs/tensorboard_scalars.png] [--filter REGEX]
 
-Without RUN_DIR it first trains a short 2-rank pipeline run (the README's picture) into a temporary
+Without RUN_DIR it first trains a short 2-rank pipeline run (the picture in docs/observability.md) into a temporary
 directory. Needs the `tensorboard` command (a dependency) and Chromium (`apt-get install chromium` on
 Debian); not part of the test suite, which reads TensorBoard's HTTP data API instead
 (tests/e2e/test_observe.py).

@@ -94,7 +94,7 @@ def test_truncated_checkpoint_is_skipped_for_the_one_before(tmp_path, uninterrup
 def test_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path, monkeypatch):
     """SIGKILL of rank 1 in step 5 under torchrun --max-restarts=1: the agent restarts both workers, which
     resume from step 3 in the same run directory; losses and weights equal a run without the fault."""
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the README says for restarts
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as docs/checkpoints.md says for restarts
     args = ["model=custom", "model._target_=tests.user_model.dies_once", "strategy=data",
             "trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true", "trainer.timeout_s=60",
             f"trainer.steps={STEPS}", "trainer.checkpoint_every=3"]

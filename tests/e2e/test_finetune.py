@@ -1,6 +1,6 @@
-"""The README's fine-tuning walk-through, run as a user runs it: a pretrained Hugging Face directory, LoRA on the
-attention projections, the user's own dataset, data zero 3 on 2 ranks, the export merged and as an adapter,
-each loaded back with from_pretrained (Note [LoRA], Note [export names])."""
+"""The fine-tuning walk-through of docs/fine-tuning.md, run as a user runs it: a pretrained Hugging Face
+directory, LoRA on the attention projections, the user's own dataset, data zero 3 on 2 ranks, the export merged
+and as an adapter, each loaded back with from_pretrained (Note [LoRA], Note [export names])."""
 from __future__ import annotations
 
 import subprocess

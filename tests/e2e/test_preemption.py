@@ -64,7 +64,7 @@ def test_second_signal_stops_at_once_without_saving(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_torchrun_forwards_sigusr1_when_told_and_the_workers_save(tmp_path):
-    """SIGUSR1 to torchrun's agent, which forwards it with --signals-to-handle naming it (README); torchrun itself
+    """SIGUSR1 to torchrun's agent, which forwards it with --signals-to-handle naming it (docs/checkpoints.md); torchrun itself
     then ends by its own SignalException."""
     run_dir = tmp_path / "run"
     launcher = cli.torchrun(2) + ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
