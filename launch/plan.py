@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from parallel.auto import choose, device_budget, table  # noqa: E402
-from parallel.config import ConfigError, bf16_run, cuda_run  # noqa: E402
+from parallel.config import ConfigError, bf16_run, cuda_run, strategy_spec  # noqa: E402
 from parallel.entry import reported  # noqa: E402
 from parallel.memory.budget import budget_bytes  # noqa: E402
 from parallel.pictures.memory import write_memory  # noqa: E402
@@ -79,7 +79,7 @@ def main(dcfg: DictConfig) -> None:
     # As train.py's: run_dir, else Hydra's (hydra.run.dir, or its dated default); fixed before planning.
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     found = None
-    if cfg.strategy.name == "auto":  # plan the candidates, then the one picked
+    if strategy_spec(cfg.strategy.name).chooses:  # strategy=auto: plan the candidates, then the one picked
         budget = device_budget(cfg, world)
         cfg, found = choose(cfg, world, Path(run_dir))
         print(table(found, f"budget {human_bytes(budget)} per rank"))

@@ -20,7 +20,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from parallel.auto import chart, choose, device_budget, table  # noqa: E402
-from parallel.config import ConfigError, to_dict  # noqa: E402
+from parallel.config import ConfigError, strategy_spec, to_dict  # noqa: E402
 from parallel.dims import check_gpus  # noqa: E402
 from parallel.entry import exit_with, reported  # noqa: E402
 from parallel.launcher import (  # noqa: E402
@@ -55,7 +55,7 @@ def main(dcfg: DictConfig) -> None:
                               f"`python launch/train.py -m nproc={world} ...` instead")
         worker(cfg_dict, None, proposed=run_dir)  # rank 0's wins (Note [one run directory])
         return
-    if cfg.strategy.name == "auto":
+    if strategy_spec(cfg.strategy.name).chooses:  # strategy=auto (Note [strategy table])
         cfg_dict = _choose(cfg, world, run_dir, started_by)
     if started_by is not None:
         worker(cfg_dict, run_dir)  # every task of the job has the same Hydra job directory

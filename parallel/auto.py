@@ -83,7 +83,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, pipelined
+from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, pipelined, strategy_spec
 from parallel.flops import Flops
 from parallel.hardware import matmul_rate
 from parallel.memory.budget import budget_bytes
@@ -144,9 +144,14 @@ def candidates(world: int, microbatches: int | None = None, experts: bool = Fals
 def recomputed(cand: Candidate) -> Candidate | None:
     """`cand` with its activations recomputed per block, for a candidate over the budget (None for offload,
     which tries its own activation tiers, and for one already recomputing)."""
-    if "strategy=offload" in cand.overrides or any(o.startswith("strategy.activations=") for o in cand.overrides):
+    if strategy_spec(_strategy(cand)).offloads or any(o.startswith("strategy.activations=") for o in cand.overrides):
         return None
     return Candidate(f"{cand.name}, recompute", [*cand.overrides, "strategy.activations=checkpoint"])
+
+
+def _strategy(cand: Candidate) -> str:
+    """The name of the strategy a candidate runs (its `strategy=NAME` override)."""
+    return next(o.partition("=")[2] for o in cand.overrides if o.startswith("strategy="))
 
 
 def _apply(cfg: Config, overrides: list[str]) -> Config:
@@ -309,7 +314,7 @@ def _step_times(cfg: Config, plans: list, rate: float, per_op: float, share: flo
         idle = analytic_bubble(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
         bubble = compute * idle / (1 - idle)
     comm = max(p.comm_bytes for p in plans) / bandwidth
-    transfers = max(p.io_bytes for p in plans) / disk if disk and s.name == "offload" else 0.0
+    transfers = max(p.io_bytes for p in plans) / disk if disk and strategy_spec(s.name).offloads else 0.0
     return {"compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,
             "step": compute + bubble + comm + transfers}
 

@@ -188,7 +188,7 @@ def check_sync_batchnorm(cfg: Config, model: nn.Module) -> None:
     s = cfg.strategy
     if not s.sync_batchnorm:
         return
-    if s.name not in ("data", "hybrid") or (s.dp or 1) < 2:
+    if (s.dp or 1) < 2:  # only a strategy that spreads over dp has dp > 1 (Note [strategy table])
         fail("strategy.sync_batchnorm", True, f"reduces BatchNorm statistics over data-parallel ranks, and "
              f"strategy={s.name} has none (dp={s.dp})", "strategy=data, or strategy=hybrid with strategy.dp > 1")
     names = batchnorms(model)

@@ -1,9 +1,11 @@
 """Typed configuration: the schemas behind conf/, the errors, and each group's own simple checks.
 
-Each config group (strategy, model, data, optim, trainer, loss, memory) has a dataclass
+Each config group (model, data, optim, trainer, loss, memory) has a dataclass
 here, stored in Hydra's ConfigStore as the base of the root config, so a wrong
-type or an unknown key fails while Hydra composes. This module is the bottom
-layer: it imports nothing of the project. A group's checks of its own values sit
+type or an unknown key fails while Hydra composes. The strategy group has one per
+strategy, made in parallel/strategy_specs.py (the one module below this one; its
+unknown keys are refused as the config is typed: Note [strategy schemas]); this
+module imports nothing else of the project. A group's checks of its own values sit
 beside its schema (`check_trainer`, ...); rules that need the model, the data or
 a strategy sit beside that code, and `parallel.validate` calls them all once,
 before any worker starts. Every rule raises :class:`ConfigError` naming the key,
@@ -20,6 +22,20 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+# The strategy's keys and its table live in the module below this one (Note [strategy table]); they are
+# re-exported here, where the other groups' schemas are.
+from parallel.strategy_specs import (  # noqa: F401
+    SCHEMAS,
+    SPECS,
+    ZERO_LEVELS,
+    StrategyBase,
+    StrategyConfig,
+    StrategySpec,
+    pipelined,
+    takers,
+    tensor_parallel,
+)
+
 TASKS = ("regression", "classification", "lm")
 INITS = ("module", "name")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -27,7 +43,6 @@ REDUCE_PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "constant", "linear", "wsd")
 BALANCES = ("time", "memory", "params")
-ZERO_LEVELS = (0, 1, 2, 3)
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
@@ -67,57 +82,6 @@ def import_target(key: str, target: Any) -> Any:
         return getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         fail(key, target, f"cannot be imported ({error_text(e)})")
-
-
-@dataclass
-class StrategyConfig:
-    name: str = "single"
-    # Data-parallel degree; None derives it from the world size.
-    dp: Optional[int] = None
-    # 0: DDP, 1: optimizer state sharded, 2: + gradients (FSDP2, no reshard
-    # after forward), 3: + parameters (FSDP2, reshard after forward).
-    zero: int = 0
-    # Pipeline degree (ranks in one pipeline); None derives it from the world size.
-    pp: Optional[int] = None
-    # PyTorch schedule name, case-insensitive (see parallel.strategies.pipeline.schedules).
-    schedule: str = "1F1B"
-    # Microbatches per step; None: 2 x the number of stages.
-    microbatches: Optional[int] = None
-    # Stages each rank runs; None: 2 for interleaved, looped and V schedules, else 1.
-    stages_per_rank: Optional[int] = None
-    # Block names where stages 1.. begin; empty: balanced automatically by `balance`.
-    split_points: List[str] = field(default_factory=list)
-    # The cost the automatic split balances: time, memory or params.
-    balance: str = "time"
-    # Tensor-parallel degree (ranks sharing each layer); None derives it from the world size.
-    tp: Optional[int] = None
-    # "pattern:style" entries (pattern over module names, with *); empty: the built-in model's own plan.
-    tp_plan: List[str] = field(default_factory=list)
-    # Shard norms, dropout and the residual stream along the sequence between
-    # tensor-parallel layers (built-in transformer only).
-    sequence_parallel: bool = False
-    # Context-parallel degree (ranks splitting each sample's sequence); None: the world size under
-    # strategy=context, 1 under hybrid.
-    cp: Optional[int] = None
-    # Expert-parallel degree (ranks splitting a mixture-of-experts layer's experts); None: the world size under
-    # strategy=expert, 1 under hybrid.
-    ep: Optional[int] = None
-    # Offload (one device): the tier each kind lives on: device, cpu, disk, auto (the
-    # tier below the device); activations also checkpoint (recompute in backward),
-    # which every other strategy takes too (per block: parallel.strategies.recompute).
-    params: str = "auto"
-    optimizer: str = "auto"
-    activations: str = "device"
-    # Directory for the disk tier; None: <run_dir>/offload. Removed at the end.
-    path: Optional[str] = None
-    # Blocks read ahead of the one computing.
-    prefetch: int = 1
-    # Run a model's frozen leading part one batch ahead, on its own thread, while
-    # the rest trains (models with frozen_forward/trainable_forward, e.g. stacked).
-    lookahead: bool = True
-    # strategy=data, or hybrid with dp > 1: BatchNorm statistics over the data-parallel ranks (the global
-    # batch) instead of each rank's share (Note [batch norm] in parallel/batchnorm.py).
-    sync_batchnorm: bool = False
 
 
 @dataclass
@@ -374,25 +338,46 @@ def to_dict(cfg: Config) -> dict:
 TARGET_GROUPS = ("model", "data", "loss", "optim")
 
 
+@dataclass
+class ComposedConfig(Config):
+    """The root schema Hydra composes conf/ against: Config, with the strategy node typed by the chosen
+    conf/strategy/<name>.yaml's own schema instead of StrategyConfig (Note [strategy schemas])."""
+
+    strategy: StrategyBase = field(default_factory=StrategyBase)
+
+
 def schema() -> Any:
-    """The root schema as a config node; the TARGET_GROUPS nodes accept keys beyond their dataclass's."""
-    node = OmegaConf.structured(Config)
-    for group in TARGET_GROUPS:
+    """The root schema as a config node; the TARGET_GROUPS nodes accept keys beyond their dataclass's, and so
+    does the strategy node, whose keys parallel.validate.strategy_config checks (Note [strategy schemas])."""
+    node = OmegaConf.structured(ComposedConfig)
+    for group in (*TARGET_GROUPS, "strategy"):
         OmegaConf.set_struct(node[group], False)
     return node
 
 
 def register_configs() -> None:
-    """Store the root schema so conf/config.yaml can extend it."""
+    """Store the root schema so conf/config.yaml can extend it, and each strategy's schema so its
+    conf/strategy/<name>.yaml can (`/strategy_schema/<name>@_here_` in its defaults list)."""
     if not OmegaConf.has_resolver("parallel_outputs"):
         OmegaConf.register_new_resolver("parallel_outputs", _model_outputs)
     if not OmegaConf.has_resolver("parallel_run_dir"):
         # hydra.run.dir: the user's run_dir when set, else Hydra's dated default.
         OmegaConf.register_new_resolver("parallel_run_dir", lambda chosen, default: chosen or default)
-    ConfigStore.instance().store(name="parallel_schema", node=schema())
+    store = ConfigStore.instance()
+    store.store(name="parallel_schema", node=schema())
+    for name, cls in SCHEMAS.items():
+        store.store(group="strategy_schema", name=name, node=cls)
 
 
 register_configs()
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The row of the strategy table for `name` (Note [strategy table]). Raises ConfigError listing the
+    strategies for an unknown name."""
+    if name not in SPECS:
+        fail("strategy.name", name, "unknown strategy", sorted(SPECS))
+    return SPECS[name]
 
 
 def positive(key: str, value: Any, allow_zero: bool = False) -> None:
@@ -489,12 +474,3 @@ def lr_scales(o: OptimConfig) -> list[tuple[str, float]]:
         pairs.append((pattern, value))
     return pairs
 
-
-def pipelined(s: StrategyConfig) -> bool:
-    """Whether the model is split into pipeline stages (after the degrees are resolved)."""
-    return s.name == "pipeline" or (s.name == "hybrid" and s.pp is not None and s.pp > 1)
-
-
-def tensor_parallel(s: StrategyConfig) -> bool:
-    """Whether layers are split over tensor-parallel ranks (after the degrees are resolved)."""
-    return s.name == "model" or (s.name == "hybrid" and s.tp is not None and s.tp > 1)

@@ -22,11 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel.config import ConfigError, StrategyConfig
+from parallel.config import ConfigError, StrategyConfig, strategy_spec
 
 NAMES = ("dp", "ep", "pp", "cp", "tp")  # Note [mesh dimensions]: outermost first
-# The single dimension each plain strategy spreads over (hybrid takes them all; the others stay 1).
-SPREAD = {"single": None, "data": "dp", "pipeline": "pp", "model": "tp", "context": "cp", "expert": "ep"}
 
 
 @dataclass(frozen=True)
@@ -53,11 +51,12 @@ class ParallelDims:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"strategy.{key}={value!r}: must be an integer >= 1")
         degrees = {key: getattr(s, key) for key in NAMES}
-        if s.name == "hybrid":
+        spec = strategy_spec(s.name)  # the dimensions it spreads over (Note [strategy table])
+        if spec.combines:
             degrees = _derive_hybrid(degrees, world_size)
             spread = "dp"
         else:
-            spread = SPREAD.get(s.name)
+            spread = spec.spreads[0] if spec.spreads else None
             for key, value in degrees.items():
                 if key != spread and value not in (None, 1):
                     raise ConfigError(f"strategy.{key}={value}: strategy={s.name} does not use a {key} dimension "
@@ -70,7 +69,7 @@ class ParallelDims:
         for value in degrees.values():
             product *= value
         if product != world_size:
-            label = "strategy=hybrid" if s.name == "hybrid" else f"strategy.{spread or 'dp'}={degrees[spread or 'dp']}"
+            label = f"strategy={s.name}" if spec.combines else f"strategy.{spread or 'dp'}={degrees[spread or 'dp']}"
             arithmetic = " x ".join(f"{k} {v}" for k, v in degrees.items())
             raise ConfigError(f"{label}: the degrees must multiply to the world size: {arithmetic} = {product} "
                               f"!= world size {world_size} (leave degrees unset to derive them)")
@@ -121,7 +120,7 @@ def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def _derive_hybrid(degrees: dict, world_size: int) -> dict:
-    """Fill unset hybrid degrees.
+    """Fill the unset degrees of a strategy that combines dimensions (hybrid).
 
     Unset cp and ep are 1 (context and expert parallelism are asked for by name). Then one unset degree takes
     what the others leave of the world size. With dp unset among several, the other unset ones are 1 and dp

@@ -7,11 +7,27 @@ ConfigError naming the key, the value, the rule and the options.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from parallel.batchnorm import check_sync_batchnorm
 from parallel.checkpoint import check_resume
-from parallel.config import Config, check_optim, check_trainer, fail, pipelined, positive, schema, tensor_parallel
+from parallel.config import (
+    Config,
+    StrategyConfig,
+    check_optim,
+    check_trainer,
+    error_text,
+    fail,
+    pipelined,
+    positive,
+    schema,
+    strategy_spec,
+    takers,
+    tensor_parallel,
+)
 from parallel.data import check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
 from parallel.loss import check_loss, check_loss_config
@@ -34,17 +50,52 @@ from parallel.targets import move_beside_keys
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
-    """Turn a composed DictConfig (or its plain-dict form) into typed dataclasses.
+    """Turn a composed DictConfig (or its plain-dict form: a config composed before, read back) into typed
+    dataclasses.
 
-    With data=shards the task and sizes come from the dataset's manifest, with data=custom from its first
-    sample, set before interpolations resolve (a model's `${data.features}` reads them).
+    A key the strategy does not take is refused first (Note [strategy schemas] in parallel/strategy_specs.py; a
+    plain dict's strategy takes every key). With data=shards the task and sizes come from the dataset's
+    manifest, with data=custom from its first sample, set before interpolations resolve (a model's
+    `${data.features}` reads them).
     """
-    if isinstance(cfg, dict):
+    strict = not isinstance(cfg, dict)
+    if not strict:
         cfg = OmegaConf.merge(schema(), cfg)
+    cfg.strategy = strategy_config(cfg.strategy, strict)
     move_beside_keys(cfg)  # before the user's dataset is first called (Note [instantiate shape])
     for key, value in read_hints(cfg.data).items():
         cfg.data[key] = value
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    composed = OmegaConf.to_object(cfg)
+    return Config(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(Config)})
+
+
+def strategy_config(node: DictConfig, strict: bool = True) -> StrategyConfig:
+    """The composed strategy node as the StrategyConfig the code reads, every key the strategy does not take at
+    its default (Note [strategy schemas] in parallel/strategy_specs.py).
+
+    Args:
+        node: the `strategy` node of a composed config.
+        strict: refuse a key that the named strategy does not take (a config composed from conf/ and the
+            command line); false: take every StrategyConfig key (a run's config read back, which may hold
+            all of them: Note [strategy schemas]).
+
+    Raises:
+        ConfigError: naming the key and the strategy, or the value of the wrong type.
+    """
+    raw = OmegaConf.to_container(node, resolve=True)
+    name = raw.get("name")
+    spec = strategy_spec(name)
+    if strict:
+        for key, value in raw.items():
+            if key != "name" and key not in spec.keys:
+                others = [n for n in takers(key) if n != name]
+                where = f"but of strategy={', '.join(others)}" if others else "nor of another strategy"
+                fail(f"strategy.{key}", value, f"not a key of strategy={name}, {where}", sorted(spec.keys))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(StrategyConfig), raw))
+    except OmegaConfBaseException as e:  # a key given beside the group's schema (strategy.name=...), untyped
+        key = getattr(e, "key", None)
+        fail(f"strategy.{key}", raw.get(key), error_text(e))
 
 
 def resolve(cfg: Config, world_size: int) -> Config:
@@ -89,7 +140,8 @@ def validate(cfg: Config, world_size: int) -> None:
              ["0 (no evaluation)", "data=synthetic (a held-out stream)", "data=custom with data.eval"])
     check_memory(cfg.memory)
     s = cfg.strategy
-    if s.name == "auto":  # each candidate is validated as it is tried (parallel.auto)
+    spec = strategy_spec(s.name)  # its row of the table (Note [strategy table])
+    if spec.chooses:  # each candidate is validated as it is tried (parallel.auto)
         check_model(cfg.model)
         check_optimizer(cfg, build_meta_model(cfg.model))
         return
@@ -107,7 +159,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_model(cfg.model)
     check_optimizer(cfg, build_meta_model(cfg.model))
     check_weights(cfg.model, build_meta_model(cfg.model))
-    if s.name == "offload" and s.path is not None:
+    if spec.offloads and s.path is not None:
         check_offload_disk(cfg, build_meta_model(cfg.model))
     if s.sync_batchnorm:
         check_sync_batchnorm(cfg, build_meta_model(cfg.model))

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.config import Config, RunError
+from parallel.config import Config, RunError, strategy_spec
 from parallel.profiling import snapshot_after_oom
 from parallel.units import human_bytes
 
@@ -199,7 +199,7 @@ def changes(cfg: Config, world: int, phase: str) -> list[str]:
         activations.append(f"trainer.grad_accum={2 * t.grad_accum}")  # the same global batch, half at a time
     if replicas * (s.cp or 1) > 1 and s.zero < 3:
         state.append("strategy.zero=3")  # the weights, gradients and optimizer state sharded over them
-    if world == 1 and s.name != "offload":
+    if world == 1 and not strategy_spec(s.name).offloads:
         state.append("strategy=offload")
     smaller = t.batch_size // 2
     batch = [f"trainer.batch_size={smaller}"] if smaller and smaller % (replicas * t.grad_accum) == 0 else []

@@ -2,16 +2,21 @@
 
 A strategy is a function `(model, mesh, cfg, runtime, plan) -> Engine`
 (Note [engine contract] in parallel/engine.py, Note [runtime] in
-parallel/runtime.py); the registry below is explicit, and an unknown name fails
-listing its keys.
+parallel/runtime.py) and, where it has them, its own checks; the registry below
+is explicit and keyed by the names of the strategy table, whose rows say what
+each strategy spreads and takes (Note [strategy table] in
+parallel/strategy_specs.py). An unknown name fails listing the table's names.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.batchnorm import batchnorm_warning
-from parallel.config import BALANCES, ZERO_LEVELS, Config, fail
+from parallel.config import BALANCES, SPECS, ZERO_LEVELS, Config, fail, strategy_spec
 from parallel.dims import data_mesh
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
@@ -48,16 +53,26 @@ def _local(apply):
     return build
 
 
+@dataclass(frozen=True)
+class Strategy:
+    """A strategy's code: its builder, and its own checks of its keys (before the degrees are derived) beyond
+    what its row of the table answers (Note [strategy table])."""
+
+    build: Callable[[nn.Module, DeviceMesh, Config, Runtime, InitPlan], Engine]
+    check: Callable[[Config, int], None] | None = None
+
+
+# Every row of the table but those that choose another strategy (auto, before the workers start).
 STRATEGIES = {
-    "single": _local(apply_single),
-    "data": _local(apply_data),
-    "pipeline": build_pipeline,
-    "model": _local(apply_tensor),
+    "single": Strategy(_local(apply_single)),
+    "data": Strategy(_local(apply_data)),
+    "pipeline": Strategy(build_pipeline),  # its checks need the degrees: check_pipeline, by `pipelined`
+    "model": Strategy(_local(apply_tensor)),
     # Each sequence split over the cp ranks; the weights data-parallel over them (zero as strategy=data).
-    "context": _local(apply_data),
-    "hybrid": build_hybrid,  # the order it applies the pieces in: parallel.strategies.hybrid
-    "expert": build_hybrid,  # hybrid over the ep dimension alone (parallel.strategies.expert)
-    "offload": build_offload,
+    "context": Strategy(_local(apply_data)),
+    "expert": Strategy(build_hybrid),  # hybrid over the ep dimension alone (parallel.strategies.expert)
+    "hybrid": Strategy(build_hybrid),  # the order it applies the pieces in: parallel.strategies.hybrid
+    "offload": Strategy(build_offload, check_offload),
 }
 
 
@@ -69,27 +84,29 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtim
     warning = batchnorm_warning(model, cfg)
     if warning:
         log.warning("%s (Note [batch norm] in parallel/batchnorm.py)", warning)
-    return STRATEGIES[cfg.strategy.name](model, mesh, cfg, runtime, plan)
+    return STRATEGIES[cfg.strategy.name].build(model, mesh, cfg, runtime, plan)
 
 
 def check_strategy(cfg: Config, world_size: int) -> None:
-    """The strategy's name and the keys that do not depend on derived degrees."""
+    """The strategy's name, its own checks, and the keys its row of the table answers that do not depend on
+    derived degrees."""
     s = cfg.strategy
-    if s.name not in STRATEGIES:
-        fail("strategy.name", s.name, "unknown strategy", sorted([*STRATEGIES, "auto"]))
+    spec = strategy_spec(s.name)
     if s.zero not in ZERO_LEVELS:
         fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
-    if s.name == "offload":
-        check_offload(cfg, world_size)
-    elif s.activations not in ("device", "checkpoint"):
+    own = STRATEGIES[s.name].check
+    if own is not None:
+        own(cfg, world_size)
+    if not spec.offloads and s.activations not in ("device", "checkpoint"):
+        tiers = " or ".join(f"strategy={n}'s" for n, other in SPECS.items() if other.offloads)
         fail("strategy.activations", s.activations, f"strategy={s.name} keeps activations on the device or "
-             "recomputes them per block; the tiers below the device are strategy=offload's",
-             ["device", "checkpoint"])
-    if s.name == "single" and world_size != 1:
-        fail("strategy", "single", f"runs on one process, but the world size is {world_size}",
+             f"recomputes them per block; the tiers below the device are {tiers}", ["device", "checkpoint"])
+    if spec.one_device and world_size != 1:
+        fail("strategy", s.name, f"runs on one process, but the world size is {world_size}",
              "strategy=data or strategy=pipeline for several processes")
-    if s.name not in ("data", "context", "hybrid", "expert") and s.zero != 0:
-        fail("strategy.zero", s.zero, "ZeRO sharding needs strategy=data, context, hybrid or expert")
+    if s.zero not in spec.zero:
+        sharding = [n for n, other in SPECS.items() if len(other.zero) > 1]
+        fail("strategy.zero", s.zero, f"ZeRO sharding needs strategy={', '.join(sharding[:-1])} or {sharding[-1]}")
     if s.balance not in BALANCES:
         fail("strategy.balance", s.balance, "unknown cost", list(BALANCES))
-    check_tensor_keys(s, s.name in ("model", "hybrid"))
+    check_tensor_keys(s, spec.splits_tensors)

@@ -48,12 +48,9 @@ from torch import nn
 from torch._dynamo.callback import CallbackArgs, callback_handler
 
 from parallel.blocks import repeated_blocks
-from parallel.config import Config, fail
+from parallel.config import SPECS, Config, fail, strategy_spec
 from parallel.metrics import log
 from parallel.runtime import Runtime
-
-# What trainer.compile runs with (Note [regional compilation]); offload is the one left out.
-COMPILED = ("single", "data", "model", "pipeline", "hybrid", "context", "expert")
 
 
 def compiling(cfg: Config, runtime: Runtime) -> bool:
@@ -92,10 +89,10 @@ def check_compile(cfg: Config, model: nn.Module) -> None:
     if not cfg.trainer.compile:
         return
     s = cfg.strategy.name
-    if s not in COMPILED:
+    if not strategy_spec(s).compiles:  # offload (Note [strategy table])
         fail("trainer.compile", True, f"strategy={s} moves each block's weights and activations through its own "
              "hooks, which compiled blocks do not follow (Note [regional compilation])",
-             [f"strategy={name}" for name in COMPILED] + ["trainer.compile=false"])
+             [f"strategy={name}" for name, spec in SPECS.items() if spec.compiles] + ["trainer.compile=false"])
     blocks = repeated_blocks(model)
     if not blocks:
         fail("trainer.compile", True, f"compiles the model's repeated blocks (the items of its ModuleLists or "

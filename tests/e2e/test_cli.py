@@ -123,6 +123,26 @@ def test_bad_input_exits_cleanly_naming_the_key(tmp_path, args, key):
     assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))  # nothing trained
 
 
+OTHERS_KEYS = [
+    (["strategy=pipeline", "strategy.zero=3"], "config error: strategy.zero=3: not a key of strategy=pipeline, but "
+                                               "of strategy=data, context, expert, hybrid (valid: ['activations', "),
+    (["strategy=data", "strategy.schedule=GPipe"], "config error: strategy.schedule='GPipe': not a key of "
+                                                   "strategy=data, but of strategy=pipeline, hybrid, auto (valid: "),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,line", OTHERS_KEYS, ids=[" ".join(a) for a, _ in OTHERS_KEYS])
+def test_a_key_of_another_strategy_is_one_line_before_any_worker(tmp_path, args, line):
+    """Each strategy takes its own keys (Note [strategy schemas] in parallel/strategy_specs.py): another's is
+    refused in one line, exit status 2, before the workers start."""
+    proc = cli.run(args + ["nproc=2", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    (only,) = proc.stderr.splitlines()
+    assert only.startswith(line), only
+    assert not (tmp_path / "run" / "logs").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.timeout(60)
 def test_a_sweep_under_torchrun_is_refused(tmp_path, monkeypatch):
     """Each job of a sweep starts its own workers: a torchrun worker (its variables, here) refuses `-m`."""

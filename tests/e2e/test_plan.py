@@ -130,6 +130,7 @@ def test_by_module_report_lists_the_locally_connected_layer(tmp_path):
     (["world_size=0"], "world_size='0'"),
     (["plan.by_module=maybe"], "plan.by_module='maybe'"),
     (["strategy=pipeline", "strategy.activations=disk", "world_size=2"], "strategy.activations='disk'"),
+    (["strategy=pipeline", "strategy.zero=3", "world_size=2"], "strategy.zero=3: not a key of strategy=pipeline"),
 ])
 def test_bad_input_is_a_config_error_naming_the_key(tmp_path, args, message):
     proc = plan(args + [f"run_dir={tmp_path}"], cwd=tmp_path, check=False)

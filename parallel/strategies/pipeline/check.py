@@ -59,8 +59,6 @@ def _check_traced_blocks(model: nn.Module, cfg: Config, inner: list[str]) -> Non
     if cfg.trainer.compile:
         fail("trainer.compile", True, f"compiles the model's own blocks; {why}",
              ["trainer.compile=false", "strategy.pp=1"])
-    if s.name != "hybrid":
-        return
     if s.tp > 1:
         fail("strategy.tp", s.tp, f"tensor parallelism shards the model's own layers; {why}",
              ["strategy.tp=1 (dp x pp)", "strategy.pp=1 (dp x tp)"])
