@@ -6,6 +6,11 @@ from tests import gpus
 
 # Tiny models: one thread per process keeps multi-process tests from oversubscribing 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Nothing is downloaded: Hugging Face's hub offline, as the framework sets it once transformers is asked for
+# (parallel/models/hf.py). Set here, before tests/cli.py takes the environment its zygote runs under, so that
+# a test building a Hugging Face model in this process does not change that environment (and with it turn
+# every later run into a new interpreter: tests/cli.py `_Zygote.serves`).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Every test but the CUDA ones runs on the CPU, on a machine with GPUs too (Note [tests on a GPU machine] in
 # tests/gpus.py); before anything initializes CUDA.
 gpus.hide()
