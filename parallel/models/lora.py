@@ -103,7 +103,6 @@ def add_adapters(model: nn.Module, m: ModelConfig) -> nn.Module:
     inner = wrapped.base_model.model
     if not any(p.requires_grad for p in inner.parameters()):
         fail(key, value, f"no trainable parameter after PEFT's adapters on {type(model).__name__}")
-    inner._peft_config = config  # read by the export of the adapter alone
     return inner
 
 
@@ -113,11 +112,6 @@ def _linear(module: nn.Module) -> bool:
 
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
-
-
-def has_adapters(model: nn.Module) -> bool:
-    """Whether `model` carries PEFT adapter layers."""
-    return any(hasattr(mod, "base_layer") and hasattr(mod, "lora_A") for mod in model.modules())
 
 
 def checkpointed(m: ModelConfig, tensors: dict[str, torch.Tensor]) -> set[str] | None:
