@@ -52,9 +52,7 @@ class Entry:
         return tensors[0] if self.make is None else self.make(*tensors)
 
 
-def trained_lora(m: ModelConfig) -> bool:
-    """Whether the run trained LoRA adapters (model.lora.r > 0, or a PEFT config in model.peft)."""
-    return wanted(m)
+trained_lora = wanted  # whether the run trained adapters (model.lora.r > 0, or model.peft)
 
 
 def exported_tensors(model: nn.Module, saved: dict[str, Spec], m: ModelConfig, lora: str, hf: bool,

@@ -111,12 +111,11 @@ class FromFiles(Values):
         self.files, self.fallback = files, fallback
         self.own = {n for n in plan if plain is not None and plain(n) is None}  # an adapter's own tensors
         self.keys: dict[str, str] = {}
-        for canonical, names in _aliases(plan).items():
-            if plain is not None:
-                names = [n for name in names if (n := plain(name)) is not None] + names
-            key = next((k for n in names for k in _spellings(n, prefix) if k in files.shapes), None)
+        for names in _aliases(plan).values():
+            tried = names if plain is None else [n for name in names if (n := plain(name)) is not None] + names
+            key = next((k for n in tried for k in _spellings(n, prefix) if k in files.shapes), None)
             if key is not None:
-                self.keys.update({n: key for n in _aliases(plan)[canonical]})
+                self.keys.update({n: key for n in names})
 
     def problems(self, plan: InitPlan, shapes: dict[str, tuple]) -> tuple[list[str], list[str], list[str]]:
         """(missing names, unexpected file keys, shape mismatches) against the model's names and shapes."""
