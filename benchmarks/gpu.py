@@ -52,8 +52,11 @@ steps, one round, on the CPU in fp32 (trainer.precision=auto), the copy
 bandwidth a plain memcpy. There the cpu tier is the device itself, so offload
 moves nothing and has no bound; the out-of-memory half of `capped` says "needs
 CUDA" (its offload run trains uncapped); `compile` is skipped (a cold compile
-costs 25-33 s on 2 CPU cores) unless --rows names it; the plans start at once,
-beside the timed runs (the smoke's timings are no figures).
+costs 25-33 s on 2 CPU cores) unless --rows names it; the plans run first (the
+smoke's timings are no figures). Its runs and plans are forked from this
+process once it has imported what they import, where that gives the process a
+new interpreter would (`forked_proc`): a run of the tiny model is then ~1 s,
+not ~5 s.
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +111,43 @@ def run_proc(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedP
         proc.communicate()
         raise RunFailed(f"timed out after {timeout:.0f} s: {' '.join(cmd[1:3])}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def forked_proc(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """--smoke: `cmd` (`python <script> *args`) as run_proc runs it, but forked from this process once it has
+    imported what the runs import (tests/zygote.py, the test suite's zygote): a run of the tiny model then skips
+    the ~4 s of imports of a new interpreter, and is otherwise the process the command starts (tests/zygote.py
+    `_child`: its own pid and process group, arguments, directory, environment, output, exit status). A new
+    interpreter where a fork would not give that process (tests/zygote.py `forkable`)."""
+    if str(ROOT) not in sys.path:  # this script's directory is benchmarks/; the runs' PYTHONPATH holds ROOT
+        sys.path.append(str(ROOT))
+    from tests import zygote
+
+    if cmd[0] != sys.executable or not zygote.forkable(env):
+        return run_proc(cmd, env, timeout)
+    try:
+        return zygote.run_forked(cmd, ROOT, env, timeout)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"timed out after {timeout:.0f} s: {' '.join(cmd[1:3])}") from None
+
+
+class Inline:
+    """--smoke's executor: each call runs at once, in this thread. Its runs are forked from this process
+    (`forked_proc`), which no thread of a pool may share."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args) -> Future:
+        done = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001 - handed to whoever asks the future, as a pool's would be
+            done.set_exception(e)
+        return done
 
 
 def reason(proc: subprocess.CompletedProcess) -> str:
@@ -170,6 +210,7 @@ class Bench:
                        + (["trainer.device=cpu"] if a.smoke else ["trainer.device=cuda", "trainer.precision=bf16"]))
         self.records: dict[str, list[dict]] = {}  # configuration -> each run's record (or {"error": ...})
         self.count = 0
+        self.start = forked_proc if a.smoke else run_proc  # how a subprocess runs: (cmd, env, timeout) -> its end
 
     def overrides(self, name: str) -> list[str]:
         return self.common + VARIANTS[name]
@@ -183,7 +224,7 @@ class Bench:
                f"trainer.log_every={steps}", "trainer.progress=false", f"trainer.timeout_s={int(self.a.timeout)}",
                f"run_dir={run_dir}"]
         try:
-            proc = run_proc(cmd, self.env, self.a.timeout)
+            proc = self.start(cmd, self.env, self.a.timeout)
             metrics = run_dir / "metrics.jsonl"
             lines = metrics.read_text().splitlines() if proc.returncode == 0 and metrics.exists() else []
             return proc, (json.loads(lines[-1]) if lines else None)
@@ -202,7 +243,7 @@ class Bench:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_loop.py"), f"--device={'cpu' if self.a.smoke else 'cuda'}",
                *([] if self.a.smoke else ["--bf16"]), f"--steps={self.a.steps + 2}"]
         cmd += [f"--{k.replace('_', '-')}={v}" for k, v in s.items()]
-        proc = run_proc(cmd, self.env, self.a.timeout)
+        proc = self.start(cmd, self.env, self.a.timeout)
         if proc.returncode != 0:
             raise RunFailed(f"gpu_loop.py: {reason(proc)}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -242,7 +283,7 @@ class Bench:
         run_dir = self.tmp / f"plan-{name}"
         cmd = [sys.executable, str(ROOT / "launch" / "plan.py"), *self.overrides(name), "world_size=1",
                f"run_dir={run_dir}"]
-        proc = run_proc(cmd, self.env, self.a.timeout)
+        proc = self.start(cmd, self.env, self.a.timeout)
         if proc.returncode != 0 or not (run_dir / "plan.json").exists():
             raise RunFailed(f"plan.py {name}: {reason(proc)}")
         return json.loads((run_dir / "plan.json").read_text())["ranks"][0]["total"]
@@ -494,13 +535,15 @@ def measure(b: Bench, save) -> dict:
                                    ("hand", "single_vs_hand" in want), ("offload", "offload" in want),
                                    ("compiled", compiling)) if on]
     rows, plans, warmup = {}, {}, None
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with Inline() if b.a.smoke else ThreadPoolExecutor(max_workers=2) as pool:
         def start_plans():
             plans.update({name: pool.submit(b.plan, name) for name in PLANNED} if "planner" in want else {})
             if plans:
-                log(f"plan.py for {', '.join(PLANNED)} started, beside the runs that follow")
+                log(f"plan.py for {', '.join(PLANNED)} "
+                    + ("run" if b.a.smoke else "started, beside the runs that follow"))
         # plan.py runs on the CPU: beside the untimed runs (the cap, recomputation's measured peak), not the
-        # timed ones; with --smoke (whose timings are no figures) at once, which halves its time on 2 cores.
+        # timed ones; with --smoke (whose timings are no figures) at once, one plan after the other (its runs
+        # are forked from this process: `Inline`).
         if b.a.smoke:
             start_plans()
         if compiling:
@@ -550,13 +593,17 @@ def main() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2))
 
-    with tempfile.TemporaryDirectory(prefix="gpu_bench_") as tmp:
-        b = Bench(a, Path(tmp), info)
+    # Removed here, not by a TemporaryDirectory: its clean-up runs at the exit of every process forked from this
+    # one (`forked_proc`), before this one has done with it.
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
+    try:
+        b = Bench(a, tmp, info)
         result["config"] |= {"sizes": b.sizes, "overrides": b.common}
-        try:
-            measure(b, save)
-        except RunFailed as e:  # with --smoke only: the test suite should see it
-            raise SystemExit(f"benchmarks/gpu.py --smoke: a run failed: {e}") from None
+        measure(b, save)
+    except RunFailed as e:  # with --smoke only: the test suite should see it
+        raise SystemExit(f"benchmarks/gpu.py --smoke: a run failed: {e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     table(result)
     log(f"wrote {a.out} ({result['wall_s']:.0f} s in all)")
 

@@ -23,8 +23,9 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from parallel.auto import choose, device_budget, table  # noqa: E402
+from parallel.auto import choose, device_budget, disk_bandwidth, table  # noqa: E402
 from parallel.config import ConfigError, bf16_run, cuda_run, strategy_spec  # noqa: E402
+from parallel.cost import calibration_for, describe, replay_for, step_times  # noqa: E402
 from parallel.entry import reported  # noqa: E402
 from parallel.memory.budget import budget_bytes  # noqa: E402
 from parallel.pictures.memory import write_memory  # noqa: E402
@@ -97,9 +98,10 @@ def main(dcfg: DictConfig) -> None:
         print(f"{p.rank:>4}  {_ranks(p.same_as):<12}" + "".join(f"{human_bytes(getattr(p, k)):>12}" for k in KINDS)
               + f"{human_bytes(p.total):>12}  {where}")
     record = {"world_size": world, "strategy": cfg.strategy.name, "device": "cuda" if cuda else "cpu", "ranks": [
-        {k: v for k, v in vars(p).items() if k != "by_module"} for p in plans]}
+        {k: v for k, v in vars(p).items() if k not in ("by_module", "calls")} for p in plans]}
     if cuda:
         record["cuda"] = _cuda_notes(cfg, plans)
+    record["step_time"] = _step_time(cfg, plans, world, run_dir)  # auto's pick: priced again, as the run would be
     if found is not None:
         record["auto"] = [vars(c) for c in found]
     if options["plan.by_module"] and plans[0].by_module:
@@ -115,6 +117,23 @@ def main(dcfg: DictConfig) -> None:
         record["by_module"] = plans[0].by_module
     for path in _write(run_dir, record, budget_bytes(cfg.memory)):
         print(f"written: {path}")
+
+
+def _step_time(cfg, plans, world: int, run_dir: str) -> dict:
+    """Print the step time the cost model predicts for the plan (Note [cost model] in parallel/cost.py), its
+    terms and the rates it used; the same for plan.json."""
+    cal = calibration_for(cfg, world)
+    offloads = strategy_spec(cfg.strategy.name).offloads
+    disk = disk_bandwidth(Path(cfg.strategy.path or run_dir)) if offloads else None
+    replay = replay_for(cfg, cal, world)
+    t = step_times(cfg, plans, cal, world, disk, replay)
+    print(f"step time: predicted {t['step'] * 1e3:.1f} ms: compute {t['compute'] * 1e3:.1f} (matrix products "
+          f"{t['products'] * 1e3:.1f}, memory-bound ops {t['memory'] * 1e3:.1f}, per-op and per-step costs "
+          f"{t['ops'] * 1e3:.1f}), bubble {t['bubble'] * 1e3:.1f}, comm {t['comm'] * 1e3:.1f}, transfers "
+          f"{t['transfers'] * 1e3:.1f} ms\nstep time: " + ("op calls timed here, " if replay else "")
+          + f"rates {describe(cal)}")
+    return {"predicted_s": t, "calibration": cfg.plan.calibration, "rates": describe(cal),
+            "calls_timed_here": replay is not None}
 
 
 def _cuda_notes(cfg, plans) -> dict:

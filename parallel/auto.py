@@ -22,29 +22,14 @@ Each is validated (a candidate the model cannot take, say tensor parallelism on
 a model with no Linear pairs, is dropped with the reason) and planned
 (parallel.planner: its peak per rank, and the work of its step). Those whose
 largest rank peak exceeds `memory.budget` are dropped. The rest are ranked by
-a predicted step time:
-
-    compute    the rank's FLOPs in the planned step (torch's per-op FLOP formulas)
-               / R, the matmul rate measured in this process, plus the ops it
-               dispatches x O, the time one op of a tiny training step takes
-               here beyond its FLOPs; times W / cores when the workers
-               outnumber the cores (they share them)
-    bubble     a pipeline's compute x b / (1 - b), b its schedule's idle share
-               (parallel.strategies.pipeline.schedules.analytic_bubble):
-               (p - 1) / (v*m) for GPipe, 1F1B and the interleaved ones (v
-               stages per rank, m microbatches, p pipeline ranks)
-    comm       bytes the step's collectives and sends send from the rank, as
-               the ring algorithms do in a group of W ranks (Note [comm
-               bytes] in parallel/plan_comm.py): an all-reduce of S bytes
-               2 (W - 1) / W x S (DDP's bucket all-reduce added, over the
-               data-parallel group), an all-gather (W - 1) x its input, a
-               reduce-scatter (W - 1) / W x its input, an all-to-all its
-               input less the rank's own split (see below), a broadcast or
-               a send the tensor; / B, the loopback bandwidth measured here
-               (gloo on one machine)
-    transfers  bytes offload moves to and from its tiers / D, the disk
-               bandwidth measured here (0 when nothing goes to disk)
-    step       compute (with its bubble) + comm + transfers: no overlap assumed
+the step time parallel.cost predicts (Note [cost model]): the plan's work
+(Note [step work]) priced with the rates of plan.calibration (a
+calibration.json of launch/calibrate.py, Note [calibration]), else with this
+process's measured at start. The table shows every term: compute, bubble,
+comm, transfers (offload's disk bytes / the disk bandwidth measured at start)
+and their sum. A run started by auto logs the prediction beside the measured
+step time (metrics.jsonl predicted_step_time_s), so every run shows the
+model's error.
 
 Expert parallelism's all-to-alls are in comm as the planned step makes them
 (the balanced stand-in runs the shard's own exchange, Note [moe layer]): per
@@ -66,32 +51,27 @@ in forward and again in backward ((cp - 1) x its chunk each) and the
 gradients of all cp chunks all-reduced (2 (cp - 1) / cp x them). plan.json
 gives the all-to-alls' part of comm_bytes as all_to_all_bytes.
 
-A simple model, stated: it ignores overlap, kernel efficiency at small sizes
-and network topology; its job is to rank plans that fit, and the table shows
-every term so a user can overrule it (run the one they prefer by name).
+The bytes of comm_bytes count what leaves the rank under the ring algorithms
+(Note [comm bytes]); the cost model prices each call by what it is handed.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import os
-import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, pipelined, strategy_spec
-from parallel.flops import Flops
-from parallel.hardware import matmul_rate
+from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, strategy_spec
+from parallel.cost import calibration_for, describe, replay_for, step_times
 from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
 from parallel.planner import plan
 from parallel.strategies.expert import moe_layers
-from parallel.strategies.pipeline.schedules import analytic_bubble
 from parallel.validate import validate
 
 
@@ -183,48 +163,6 @@ def device_budget(cfg: Config, world: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
 
 
-def loopback_bandwidth(nbytes: int = 32 << 20) -> float:
-    """Bytes/s through a local socket pair: what gloo between processes of one machine rides on."""
-    left, right = socket.socketpair()
-    payload, got = b"\0" * (1 << 20), [0]
-
-    def receive():
-        while got[0] < nbytes:
-            chunk = right.recv(1 << 20)
-            if not chunk:
-                break
-            got[0] += len(chunk)
-
-    reader = threading.Thread(target=receive)
-    t0 = time.perf_counter()
-    reader.start()
-    for _ in range(nbytes // len(payload)):
-        left.sendall(payload)
-    reader.join()
-    elapsed = time.perf_counter() - t0
-    left.close()
-    right.close()
-    return nbytes / elapsed
-
-
-def op_overhead(steps: int = 200) -> float:
-    """Seconds per operator of a tiny training step (forward, backward, gradient reset) in this process:
-    what an op costs beyond its FLOPs (dispatch, autograd bookkeeping)."""
-    layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
-
-    def step():
-        layer(x).square().mean().backward()
-        layer.zero_grad(set_to_none=True)
-
-    step()
-    with Flops() as counted:
-        step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - t0) / (steps * counted.ops)
-
-
 def disk_bandwidth(directory: Path, nbytes: int = 64 << 20) -> float:
     """Bytes/s of writing then reading back a file in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -248,14 +186,11 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
         ConfigError: when no candidate fits the budget (naming the smallest peak).
     """
     budget = device_budget(cfg, world)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = max(1.0, world * torch.get_num_threads() / cores)
-    rate, per_op, bandwidth = matmul_rate(), op_overhead(), loopback_bandwidth()
+    cal = calibration_for(cfg, world)
+    replay = replay_for(cfg, cal, world)
     disk = disk_bandwidth(Path(run_dir)) if world == 1 else None
     progress(f"auto: budget {budget / 1e6:.1f} MB per rank{' of CUDA memory' if cuda_run(cfg.trainer.device) else ''}; "
-             f"measured {rate / 1e9:.1f} GFLOP/s, "
-             f"{per_op * 1e6:.1f} us per op, "
-             f"loopback {bandwidth / 1e9:.2f} GB/s" + (f", disk {disk / 1e9:.2f} GB/s" if disk else ""))
+             f"rates {describe(cal)}" + (f"; disk {disk / 1e9:.2f} GB/s" if disk else ""))
     quiet = logging.getLogger("parallel")
     level = quiet.level
     found = candidates(world, cfg.strategy.microbatches, experts=bool(moe_layers(build_meta_model(cfg.model))))
@@ -277,7 +212,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
             quiet.setLevel(level)
         if cand.dropped is None:
             cand.peak = max(p.total for p in plans)
-            cand.times = _step_times(c, plans, rate, per_op, share, bandwidth, disk)
+            cand.times = step_times(c, plans, cal, world, disk, replay)
             if cand.peak > budget:
                 cand.dropped = f"peak {cand.peak / 1e6:.2f} MB > budget {budget / 1e6:.2f} MB"
                 again = recomputed(cand)
@@ -297,40 +232,26 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
                           f"{smallest.peak / 1e6:.2f} MB per rank")
     chosen = _apply(cfg, fits[0].overrides)
     chosen.run_dir = cfg.run_dir
+    chosen.plan.predicted_step_time_s = fits[0].times["step"]
     validate(chosen, world)
     return chosen, sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
 
 
-def _step_times(cfg: Config, plans: list, rate: float, per_op: float, share: float, bandwidth: float,
-                disk: float | None) -> dict:
-    """The cost model's terms for one planned candidate (Note [auto]), in seconds: its slowest rank's compute
-    (FLOPs at `rate`, ops at `per_op`, times `share` when workers share cores), its pipeline bubble,
-    communication and offload transfers."""
-    s = cfg.strategy
-    worst = max(plans, key=lambda p: p.flops / rate + p.ops * per_op)
-    compute = (worst.flops / rate + worst.ops * per_op) * share
-    bubble = 0.0
-    if pipelined(s):  # the idle share b of the step: idle time = compute x b / (1 - b)
-        idle = analytic_bubble(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
-        bubble = compute * idle / (1 - idle)
-    comm = max(p.comm_bytes for p in plans) / bandwidth
-    transfers = max(p.io_bytes for p in plans) / disk if disk and strategy_spec(s.name).offloads else 0.0
-    return {"compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,
-            "step": compute + bubble + comm + transfers}
-
-
 def table(found: list[Candidate], budget_note: str = "") -> str:
-    """The ranked candidates as text: the chosen one first."""
-    lines = [f"{'':2}{'candidate':<34}{'peak MB':>9}{'compute ms':>11}{'bubble ms':>10}{'comm ms':>9}"
-             f"{'io ms':>8}{'step ms':>9}  {budget_note}"]
+    """The ranked candidates as text, every term of the cost model (Note [cost model]): the chosen one first.
+    compute = matmul (matrix products) + mem (memory-bound ops) + ops (per-op and per-step costs)."""
+    cols = [("peak MB", 9), ("matmul", 8), ("mem", 7), ("ops", 7), ("compute", 9), ("bubble", 8), ("comm", 7),
+            ("io", 6), ("step ms", 9)]
+    lines = [f"{'':2}{'candidate':<34}" + "".join(f"{name:>{w}}" for name, w in cols) + f"  {budget_note}"]
+    keys = ("products", "memory", "ops", "compute", "bubble", "comm", "transfers", "step")
     for i, c in enumerate(found):
         mark = "->" if i == 0 and c.dropped is None else "  "
         if c.times:
-            t = {k: v * 1e3 for k, v in c.times.items()}
-            lines.append(f"{mark}{c.name:<34}{c.peak / 1e6:>9.2f}{t['compute']:>11.1f}{t['bubble']:>10.1f}"
-                         f"{t['comm']:>9.1f}{t['transfers']:>8.1f}{t['step']:>9.1f}  {c.dropped or ''}")
+            values = [f"{c.peak / 1e6:>9.2f}"] + [f"{c.times.get(k, 0.0) * 1e3:>{w}.1f}" for k, (_, w) in
+                                                   zip(keys, cols[1:])]
+            lines.append(f"{mark}{c.name:<34}" + "".join(values) + f"  {c.dropped or ''}")
         else:
-            lines.append(f"{mark}{c.name:<34}{'-':>9}{'':>56}  {c.dropped}")
+            lines.append(f"{mark}{c.name:<34}{'-':>9}{'':>{sum(w for _, w in cols[1:])}}  {c.dropped}")
     return "\n".join(lines)
 
 

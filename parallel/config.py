@@ -301,6 +301,16 @@ class MemoryConfig:
 
 
 @dataclass
+class PlanConfig:
+    # calibration.json made by launch/calibrate.py (Note [calibration] in parallel/calibration.py): the rates
+    # launch/plan.py and strategy=auto price a step with; None: this process measured at start.
+    calibration: Optional[str] = None
+    # Set by strategy=auto on the run it starts: the step time it predicted, logged beside the measured one at
+    # the first logged step (metrics.jsonl predicted_step_time_s).
+    predicted_step_time_s: Optional[float] = None
+
+
+@dataclass
 class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -309,6 +319,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # Workers to start when not under torchrun; None: 1, or torchrun's world size.
     nproc: Optional[int] = None
     # Where the run writes; None: Hydra's output directory (or, under torchrun,

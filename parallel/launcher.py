@@ -43,6 +43,7 @@ from parallel import preemption
 from parallel.config import ConfigError, from_dict
 from parallel.dims import device_for_rank
 from parallel.export import export_finished_run
+from parallel.hardware import worker_threads
 from parallel.memory.host import steady_host_allocations
 from parallel.memory.oom import OUT_OF_MEMORY, OutOfMemory
 from parallel.metrics import log, setup_logging
@@ -278,6 +279,8 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
         torch.cuda.set_device(device)
         if cfg.memory.fraction is not None:
             torch.cuda.set_per_process_memory_fraction(cfg.memory.fraction, device)
+    if device.type == "cpu" and (threads := worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
+        torch.set_num_threads(threads)  # the cores shared out among this machine's workers
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=cfg.trainer.timeout_s)
     if single_process:

@@ -93,6 +93,7 @@ from parallel.models.build import build_meta_model
 from parallel.plan_comm import CommBytes, ring_all_reduce_bytes
 from parallel.plan_cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
 from parallel.plan_standins import CountingIO, DDPStandIn, InlineExecutor
+from parallel.plan_work import Work, ddp_calls
 from parallel.runtime import Runtime
 from parallel.shape_values import ShapeValues
 from parallel.tensors import local_bytes, plain_tensors
@@ -135,6 +136,8 @@ class RankPlan:
     comm_bytes: int = 0  # sent by collectives and point-to-point sends, as what leaves the rank (Note [comm bytes])
     all_to_all_bytes: int = 0  # of which all-to-alls send to other ranks (expert parallelism: Note [auto])
     io_bytes: int = 0  # moved to and from offload's tiers
+    work: dict = field(default_factory=dict)  # the step's work as the cost model prices it (Note [step work])
+    calls: dict = field(default_factory=dict, repr=False)  # the step's distinct op calls (Work.calls; not JSON)
     # Planned for CUDA (Note [planning for CUDA] in parallel/plan_cuda.py), else 0 and empty:
     workspaces: int = 0  # cuBLAS workspaces live at the peak (in temp)
     rounding: int = 0  # what the caching allocator's 512-byte rounding adds at the peak (in the kinds)
@@ -337,8 +340,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
             # (weights, optimizer state, the engine's buffers), plus what it makes. The first step makes
             # the optimizer state; the second holds it, as every later step does.
-            flops, comm = Flops(), CommBytes()
-            counted = [_count_step(run, step, flops, comm, by_module, account) for step in (1, 2)]
+            flops, comm, work = Flops(), CommBytes(), Work()
+            counted = [_count_step(run, step, (flops, comm, work), by_module, account) for step in (1, 2)]
             tracker, modules = max(counted, key=lambda tm: tm[0].peak)
             comm.bytes //= 2
             comm.all_to_all //= 2
@@ -346,10 +349,10 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
     finally:
         end_steps()  # the planned step's Loss must not weigh a later model's auxiliary terms
         dist.destroy_process_group()
-    return _rank_plan(rank, tracker, modules, flops, comm, ddp, io, account)
+    return _rank_plan(rank, tracker, modules, flops, comm, work, ddp, io, account)
 
 
-def _rank_plan(rank: int, tracker, modules, flops, comm, ddp: DDPStandIn, io: CountingIO,
+def _rank_plan(rank: int, tracker, modules, flops, comm, work: Work, ddp: DDPStandIn, io: CountingIO,
                cuda: CudaAccount | None) -> RankPlan:
     """The RankPlan of a planned role: its peak step's breakdown, DDP's buckets added, and the work of a step
     (the mean of the two planned)."""
@@ -358,19 +361,26 @@ def _rank_plan(rank: int, tracker, modules, flops, comm, ddp: DDPStandIn, io: Co
     held = allocated(buckets) if cuda is not None else buckets
     k["grads"] += held
     rows = [asdict(r) | {"total": r.total} for r in modules.table()] if modules is not None else []
+    step_work = work.as_dict(steps=2)
+    for nbytes, world in ddp.buckets():  # DDP's bucket all-reduces, one step's
+        step_work["comm"].setdefault(f"allreduce/{world}", [0, 0])
+        step_work["comm"][f"allreduce/{world}"][0] += ddp_calls(nbytes)
+        step_work["comm"][f"allreduce/{world}"][1] += nbytes
     return RankPlan(rank=rank, same_as=[], params=k["params"], grads=k["grads"], optimizer=k["optimizer"],
                     activations=k["activations"], temp=k["temp"], total=tracker.peak + held,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
                     flops=flops.total // 2, ops=flops.ops // 2,
                     comm_bytes=comm.bytes + sum(ring_all_reduce_bytes(b, w) for b, w in ddp.buckets()),
-                    all_to_all_bytes=comm.all_to_all, io_bytes=io.moved[0] // 2,
+                    all_to_all_bytes=comm.all_to_all, io_bytes=io.moved[0] // 2, work=step_work,
+                    calls={key: [n / 2, flops, moved] for key, (n, flops, moved) in work.calls.items()},
                     workspaces=tracker.workspaces, host_pinned=io.pinned[1],
                     rounding=tracker.peak - tracker.raw + held - buckets if cuda is not None else 0,
                     fp32_on_cuda={k: n // 2 for k, n in cuda.fp32_on_cuda.items()} if cuda is not None else {})
 
 
-def _count_step(run, step: int, flops, comm, by_module: bool, cuda: CudaAccount | None = None):
-    """One training step under a fresh tracker (and the module watch with `by_module`): (tracker, watch).
+def _count_step(run, step: int, counters, by_module: bool, cuda: CudaAccount | None = None):
+    """One training step under a fresh tracker (and the module watch with `by_module`), counted by `counters`
+    (dispatch modes: FLOPs, bytes sent, the step's work): (tracker, watch).
     `cuda`: planned for CUDA, the account of its workspaces (kept from the step that made them)."""
     tracker = _PeakTracker(run.device.type, run.engine.model, run.optimizer, run.engine, cuda=cuda)
     tracker.track(state_tensors(run.engine.model, run.optimizer))
@@ -388,8 +398,8 @@ def _count_step(run, step: int, flops, comm, by_module: bool, cuda: CudaAccount 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(_ModuleWatch(run.engine.model, tracker) if modules is None else modules)
-        stack.enter_context(flops)
-        stack.enter_context(comm)
+        for counter in counters:
+            stack.enter_context(counter)
         stack.enter_context(tracker)
         if cuda is not None:
             stack.enter_context(cuda.autocast_as_on_cuda())

@@ -256,6 +256,9 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
         "samples_per_s": t.batch_size / step_time,
     }
     record.update(speed.record(step_time) if speed else {})
+    predicted = run.cfg.plan.predicted_step_time_s  # set by strategy=auto (Note [cost model] in parallel/cost.py)
+    if predicted is not None:
+        record["predicted_step_time_s"] = predicted
     record.update(run.engine.metrics())
     record.update(moe_record(run.engine.state_modules(), run.cfg.strategy.tp or 1))
     record.update(memory_record(memory))
@@ -265,8 +268,9 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
         record.update(run.compile_clock.record())
     metrics.log(record)
     if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
-        log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s%s", step, loss_value,
-                 record["grad_norm"], record["samples_per_s"], text(record))
+        log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s%s%s", step, loss_value,
+                 record["grad_norm"], record["samples_per_s"], text(record),
+                 f"  step {step_time * 1e3:.1f} ms (auto predicted {predicted * 1e3:.1f})" if predicted else "")
     return record
 
 

@@ -46,13 +46,17 @@ def run(args: list[str], cwd: Path, timeout: float = 180, launcher: list[str] | 
     """Run `python launch/train.py *args` (or `launcher + [train.py] + args`) in `cwd`, on the CPU unless `args`
     name trainer.device=cuda (Note [tests on a GPU machine] in tests/gpus.py).
 
-    A plain run on the CPU is a child of the zygote (tests/zygote.py), with the framework imported; `fresh`: a
-    new interpreter, for a test that measures the process itself (its peak RSS); a CUDA run is always one.
+    A run on the CPU is a child of the zygote (tests/zygote.py), with the framework imported, and so is the agent
+    of a launcher run as a module (`python -m torch.distributed.run ...`: its workers are new interpreters);
+    `fresh`: a new interpreter, for a test that measures the process itself (its peak RSS); a CUDA run is always
+    one.
     """
     cmd = (launcher or [sys.executable]) + [TRAIN] + list(args)
     e = env(args)
-    if launcher is None and not fresh and not uses_gpus(args) and _Zygote.serves(e):
-        proc = _Zygote.run(TRAIN, list(args), Path(cwd), e, timeout, cmd)
+    module = launcher is not None and launcher[:2] == [sys.executable, "-m"]
+    if (launcher is None or module) and not fresh and not uses_gpus(args) and _Zygote.serves(e):
+        target, rest = (launcher[2], cmd[3:]) if module else (TRAIN, list(args))
+        proc = _Zygote.run(target, rest, Path(cwd), e, timeout, cmd, module=module)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -60,9 +64,43 @@ def run(args: list[str], cwd: Path, timeout: float = 180, launcher: list[str] | 
     return proc
 
 
+class Started:
+    """A run `start` began in the zygote, as much of subprocess.Popen as a test that signals a run uses: `pid`
+    (the leader of the run's process group, its workers in it), `poll()`, `communicate(timeout)`, `returncode`."""
+
+    def __init__(self, pid: int, cmd: list[str]):
+        self.pid, self.cmd, self.returncode, self._done = pid, cmd, None, None
+
+    def poll(self) -> int | None:
+        if self._done is None and _Zygote.ended():
+            self.communicate(timeout=60)
+        return self.returncode
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        if self._done is None:
+            self._done = _Zygote.finish(self.pid, self.cmd, timeout)
+            self.returncode = self._done.returncode
+        return self._done.stdout, self._done.stderr
+
+
+def start(args: list[str], cwd: Path) -> Started | subprocess.Popen:
+    """`python launch/train.py *args` in `cwd`, on the CPU, started and not waited for: the zygote's child (a
+    `Started`), else a new interpreter in a session of its own (a subprocess.Popen, text). Either leads its own
+    process group, as a run started from a terminal does. No other run goes through the zygote until this one
+    has been waited for (`communicate`, or `poll` once it has ended)."""
+    cmd, e = [sys.executable, TRAIN] + list(args), env(args)
+    if not uses_gpus(args) and _Zygote.serves(e):
+        pid = _Zygote.start(TRAIN, list(args), Path(cwd), e)
+        if pid is not None:
+            return Started(pid, cmd)
+    return subprocess.Popen(cmd, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
 def run_script(script: str, args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python <script> *args` in `cwd` (launch/plan.py, launch/make_shards.py), a child of the zygote like
-    `run`'s runs (a new interpreter when this process's environment is not the zygote's); not checked."""
+    """`python <script> *args` in `cwd` (launch/plan.py, launch/make_shards.py, launch/export.py, a benchmark, a
+    test's own script), a child of the zygote like `run`'s runs (a new interpreter when this process's
+    environment is not the zygote's); not checked."""
     cmd, e = [sys.executable, script] + list(args), env()
     if _Zygote.serves(e):
         return _Zygote.run(script, list(args), Path(cwd), e, timeout, cmd)
@@ -73,10 +111,13 @@ def run_script(script: str, args: list[str], cwd: Path, timeout: float = 120) ->
 # pytest's name of the current test; torch's default compile cache directory, which torch sets once it has
 # computed it (a test running train.py in this process).
 _CHANGING = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# Read at an interpreter's start, and applied by the zygote's child as a new interpreter would (tests/zygote.py
+# `_child`): a test may set it for a run (a submitit job's tasks import the tests' modules through it).
+_APPLIED = ("PYTHONPATH",)
 
 
 def _zygote_env(e: dict) -> dict:
-    return {k: v for k, v in e.items() if k not in _CHANGING}
+    return {k: v for k, v in e.items() if k not in _CHANGING + _APPLIED}
 
 
 class _Zygote:
@@ -88,6 +129,7 @@ class _Zygote:
     refused: str | None = None  # why the zygote cannot fork safely here: every run is then a new interpreter
 
     drifted: bool = False  # this process's environment has moved away from the zygote's (said once)
+    running: int | None = None  # the pid of the child `start` gave, until `finish` has read its status
 
     @classmethod
     def serves(cls, env: dict) -> bool:
@@ -104,25 +146,41 @@ class _Zygote:
 
     @classmethod
     def run(cls, script: str, args: list[str], cwd: Path, env: dict, timeout: float,
-            cmd: list[str]) -> subprocess.CompletedProcess:
+            cmd: list[str], module: bool = False) -> subprocess.CompletedProcess:
+        pid = cls.start(script, args, cwd, env, module)
+        if pid is None:  # it cannot fork safely on this machine: this run and the next in a new one
+            return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        return cls.finish(pid, cmd, timeout)
+
+    @classmethod
+    def start(cls, script: str, args: list[str], cwd: Path, env: dict, module: bool = False) -> int | None:
+        """The pid of the zygote's child running `python <script> *args` (`module`: `python -m <script> *args`),
+        or None where it cannot fork."""
+        if cls.running is not None:
+            raise RuntimeError(f"a run the zygote started (pid {cls.running}) has not been waited for")
         if cls.proc is None or cls.proc.poll() is not None:
             cls.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=ROOT, env=cls.env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
             cls.outputs = Path(tempfile.mkdtemp(prefix="zygote-"))
             atexit.register(shutil.rmtree, cls.outputs, True)
-        out, err = cls.outputs / "stdout", cls.outputs / "stderr"
-        request = {"script": script, "args": args, "cwd": str(cwd), "env": env, "stdout": str(out),
-                   "stderr": str(err)}
+        request = {"module" if module else "script": script, "args": args, "cwd": str(cwd), "env": env,
+                   "stdout": str(cls.outputs / "stdout"), "stderr": str(cls.outputs / "stderr")}
         try:
             cls.proc.stdin.write((json.dumps(request) + "\n").encode())
         except BrokenPipeError:  # it has ended: its answer says why
             pass
         answer = cls._answer(time.monotonic() + 600)  # the zygote's fork: at once, once it has started
-        if "refused" in answer:  # it cannot fork safely on this machine: this run and the next in a new one
+        if "refused" in answer:
             cls.refused = answer["refused"]
-            warnings.warn(f"tests/zygote.py: {cls.refused}; each run starts a new interpreter", stacklevel=3)
-            return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        pid = answer["pid"]
+            warnings.warn(f"tests/zygote.py: {cls.refused}; each run starts a new interpreter", stacklevel=4)
+            return None
+        cls.running = answer["pid"]
+        return cls.running
+
+    @classmethod
+    def finish(cls, pid: int, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Wait up to `timeout` s for the child `start` gave; at the timeout, stop it with its workers."""
+        out, err = cls.outputs / "stdout", cls.outputs / "stderr"
         try:
             status = cls._answer(time.monotonic() + timeout)["status"]
         except subprocess.TimeoutExpired:  # as subprocess.run does: stop it (here with its workers), then say so
@@ -132,7 +190,14 @@ class _Zygote:
                 pass
             cls._answer(time.monotonic() + 60)
             raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text()) from None
+        finally:
+            cls.running = None
         return subprocess.CompletedProcess(cmd, status, out.read_text(), err.read_text())
+
+    @classmethod
+    def ended(cls) -> bool:
+        """Whether the child `start` gave has ended (its status is then waiting to be read by `finish`)."""
+        return bool(select.select([cls.proc.stdout], [], [], 0)[0])
 
     @classmethod
     def _answer(cls, deadline: float) -> dict:

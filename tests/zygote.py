@@ -7,11 +7,18 @@ environment, stdin/stdout/stderr, Hydra and logging untouched until the script r
 
     python -m tests.zygote    reads one JSON request a line, answers {"pid": ...} then {"status": ...}
 
-tests/cli.py `run` is the client; a run whose environment differs from this process's is not sent here, nor a
-CUDA run: the zygote runs with the GPUs hidden (Note [tests on a GPU machine] in tests/gpus.py), and a process
-forked from one that has initialized CUDA could not use it. Where an import has started a thread anyway, a fork
-is not safe (a lock the thread held would stay locked in the child): the zygote answers the first request with
-{"refused": why}, and the client runs every request in a new interpreter.
+A request names a "script" (`python <script> *args`) or a "module" (`python -m <module> *args`: torchrun's agent,
+whose workers it starts are new interpreters).
+
+tests/cli.py `run` is the client; a run whose environment differs from this process's is not sent here (but for
+PYTHONPATH, which the child puts on its sys.path as a new interpreter would), nor a CUDA run: the zygote runs
+with the GPUs hidden (Note [tests on a GPU machine] in tests/gpus.py), and a process forked from one that has
+initialized CUDA could not use it. Where an import has started a thread anyway, a fork is not safe (a lock the
+thread held would stay locked in the child): the zygote answers the first request with {"refused": why}, and
+the client runs every request in a new interpreter.
+
+`forkable` and `run_forked` serve another process that forks its runs alike (benchmarks/gpu.py --smoke,
+benchmarks/export_memory.py --smoke).
 """
 from __future__ import annotations
 
@@ -21,9 +28,15 @@ import json
 import os
 import pkgutil
 import runpy
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 import traceback
+from pathlib import Path
 
 # What a run imports (launch/train.py, and lazily the trainer, checkpoints, every strategy, TensorBoard).
 # No thread may be running at a fork (a lock it held would stay locked in the child): checked below.
@@ -54,12 +67,89 @@ def _preload_transformers() -> None:
         getattr(transformers, name)
 
 
+def preload() -> None:
+    """Import what a run imports on demand: every strategy, and the Hugging Face models the tests build."""
+    _preload_strategies()
+    _preload_transformers()
+
+
+def why_not_fork() -> str | None:
+    """Why this process cannot fork a run safely (a thread besides this one), or None."""
+    tasks = os.listdir("/proc/self/task")
+    if len(tasks) == 1:
+        return None
+    # Python's own threads are named; a library's native ones (a driver's, a thread pool's) are only counted.
+    named = ", ".join(t.name for t in threading.enumerate())
+    return f"the process runs {len(tasks)} threads (Python's: {named}); a fork needs it to run one"
+
+
+def fork(request: dict) -> int:
+    """Start the request's `python <script> *args` (or `python -m <module> *args`) as a forked child (see
+    `_child`); its pid."""
+    for stream in (sys.stdout, sys.stderr):  # nothing of this process's buffers reaches the child's files
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        _child(request)
+    return pid
+
+
+# What the environment of a run forked from a process may hold other than that process's own: PYTHONPATH (the
+# child applies it, as a new interpreter would) and the inductor cache (read when compiling, not at import).
+MAY_DIFFER = ("PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def forkable(env: dict) -> bool:
+    """Whether a run in `env` forked from this process is the process a new interpreter would give: `env` is
+    this process's environment (which its imports may have read) but for MAY_DIFFER, and once what runs import
+    is imported (`preload`), this process runs no other thread (`why_not_fork`)."""
+    def settled(e):
+        return {k: v for k, v in e.items() if k not in MAY_DIFFER}
+
+    if settled(env) != settled(os.environ):
+        return False
+    preload()  # at the first run; nothing to do after it
+    return why_not_fork() is None
+
+
+def run_forked(cmd: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`cmd` (`python <script> *args`) to its end as a child forked from this process (`fork`), its output
+    captured; at `timeout`, its process group killed and subprocess.TimeoutExpired raised, as subprocess.run
+    does. For a process that has imported what the script imports and runs no other thread (`why_not_fork`)."""
+    # Removed here, not by a TemporaryDirectory: the child runs this process's exit functions at its own exit.
+    out = Path(tempfile.mkdtemp(prefix="forked-"))
+    try:
+        stdout, stderr = out / "stdout", out / "stderr"
+        pid = fork({"script": cmd[1], "args": cmd[2:], "cwd": str(cwd), "env": env, "stdout": str(stdout),
+                    "stderr": str(stderr)})
+        deadline = time.monotonic() + timeout
+        while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:  # the child leads a process group of its own: its workers too
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(cmd, timeout, stdout.read_text(), stderr.read_text())
+            time.sleep(0.02)
+        return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(ended[1]), stdout.read_text(),
+                                           stderr.read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def _child(request: dict) -> None:
-    """Become `python train.py *args` in the request's directory and environment; never returns."""
+    """Become `python <script> *args` (or `python -m <module> *args`) in the request's directory and environment;
+    never returns."""
     code = 1
     try:
         os.setsid()  # a process group of its own: a timeout stops the run and its workers together
+        # A new interpreter puts PYTHONPATH's entries after the script's directory, made absolute from where it
+        # starts: the request's entries, not this process's (a submitit job's tasks import the tests' modules
+        # through it).
+        ours, theirs = os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", "")
+        ours = {os.path.abspath(p) for p in ours.split(os.pathsep) if p} if ours != theirs else None
         os.chdir(request["cwd"])
+        if ours is not None:
+            theirs = [os.path.abspath(p) for p in theirs.split(os.pathsep) if p]
+            sys.path[1:] = theirs + [p for p in sys.path[1:] if p not in ours and p not in theirs]
         os.environ.clear()
         os.environ.update(request["env"])
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
@@ -68,11 +158,15 @@ def _child(request: dict) -> None:
             opened = os.open(path, flags, 0o644)
             os.dup2(opened, fd)  # also replaces this server's pipes to the client
             os.close(opened)
-        script = request["script"]
-        sys.argv = [script, *request["args"]]
-        sys.path[0] = os.path.dirname(script)  # as `python <script>` sets it
         try:
-            runpy.run_path(script, run_name="__main__")
+            if "module" in request:  # `python -m <module>`: run_module puts the module's file in argv[0]
+                sys.argv = [request["module"], *request["args"]]
+                sys.path[0] = os.getcwd()  # as `python -m` sets it
+                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [request["script"], *request["args"]]
+                sys.path[0] = os.path.dirname(request["script"])  # as `python <script>` sets it
+                runpy.run_path(request["script"], run_name="__main__")
             code = 0
         except SystemExit as e:  # as the interpreter turns sys.exit's argument into a status
             if e.code is None or isinstance(e.code, int):
@@ -94,21 +188,13 @@ def _child(request: dict) -> None:
 
 
 def serve() -> None:
-    _preload_strategies()
-    _preload_transformers()
-    tasks = os.listdir("/proc/self/task")
-    if len(tasks) != 1:
-        # The client then starts each run in a new interpreter (tests/cli.py): slower, and right. Python's own
-        # threads are named; a library's native ones (a driver's, a thread pool's) are only counted.
-        named = ", ".join(t.name for t in threading.enumerate())
-        print(json.dumps({"refused": f"the zygote runs {len(tasks)} threads (Python's: {named}) after its imports; "
-                                     f"a fork needs it to run one"}), flush=True)
+    preload()
+    refused = why_not_fork()
+    if refused:  # the client then starts each run in a new interpreter (tests/cli.py): slower, and right
+        print(json.dumps({"refused": f"after the zygote's imports, {refused}"}), flush=True)
         return
     for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
+        pid = fork(json.loads(line))
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)

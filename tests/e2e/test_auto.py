@@ -43,6 +43,11 @@ def test_auto_on_two_workers_ranks_every_candidate(tmp_path):
     height, width, _ = matplotlib.image.imread(tmp_path / "auto.png").shape
     assert width == 1100 and height == pytest.approx(100 * (1.2 + 0.32 * len(planned)), abs=1)
     assert cli.metrics(tmp_path)[-1]["loss"] > 0 and "auto: running" in proc.stdout
+    # the run logs auto's prediction beside its measured step time (Note [cost model])
+    for record in cli.metrics(tmp_path):
+        assert record["predicted_step_time_s"] == pytest.approx(fits[0]["times"]["step"], rel=1e-12)
+    assert "auto predicted" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert all(t in fits[0]["times"] for t in ("products", "memory", "ops", "compute", "bubble", "comm", "step"))
 
 
 @pytest.mark.parametrize("budget,message", [("1KB", "no plan fits; the smallest is"),

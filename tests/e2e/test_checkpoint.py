@@ -5,8 +5,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -94,12 +92,14 @@ def test_truncated_checkpoint_is_skipped_for_the_one_before(tmp_path, uninterrup
 def test_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path, monkeypatch):
     """SIGKILL of rank 1 in step 5 under torchrun --max-restarts=1: the agent restarts both workers, which
     resume from step 3 in the same run directory; losses and weights equal a run without the fault."""
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as docs/checkpoints.md says for restarts
     args = ["model=custom", "model._target_=tests.user_model.dies_once", "strategy=data",
             "trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true", "trainer.timeout_s=60",
             f"trainer.steps={STEPS}", "trainer.checkpoint_every=3"]
     clean = tmp_path / "clean"
     cli.run(args + ["nproc=2", f"run_dir={clean}"], cwd=tmp_path)
+    # Set after the clean run (restarts need it, the rendezvous store only): with it, a run of this process
+    # starts a new interpreter instead of the zygote's child (tests/cli.py).
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as docs/checkpoints.md says for restarts
     faulty = tmp_path / "faulty"
     proc = cli.run(args + ["+model.args.die_at=5", f"run_dir={faulty}"], cwd=tmp_path, timeout=240,
                    launcher=cli.torchrun(2) + ["--max-restarts=1"])
@@ -141,10 +141,8 @@ def test_torchrun_restart_keeps_the_run_directory(tmp_path, monkeypatch):
 @pytest.mark.timeout(200)
 def test_ctrl_c_stops_every_worker_and_keeps_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, cli.TRAIN, "nproc=2", "strategy=data", "trainer.steps=1000000", "trainer.log_every=50",
-           "trainer.checkpoint_every=5", "trainer.progress=false", f"run_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = cli.start(["nproc=2", "strategy=data", "trainer.steps=1000000", "trainer.log_every=50",
+                      "trainer.checkpoint_every=5", "trainer.progress=false", f"run_dir={run_dir}"], cwd=tmp_path)
     try:
         deadline = time.time() + 120
         while not (run_dir / "checkpoints" / "step-000010").exists():
@@ -155,6 +153,7 @@ def test_ctrl_c_stops_every_worker_and_keeps_the_last_checkpoint(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in out + err and "interrupted" in err
     from parallel.checkpoint import newest_complete

@@ -6,7 +6,6 @@ written."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -190,11 +189,11 @@ def test_trainer_export_needs_weights_saved(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures VmHWM (Linux)")
 def test_export_peak_rss_stays_well_below_the_model(tmp_path):
-    """benchmarks/export_memory.py: a 151 MB model; the export's peak RSS above its start, in a fresh process."""
+    """benchmarks/export_memory.py: a 151 MB model; the export's peak RSS above its start, in a process of its
+    own (--smoke: forked from the script's, which the zygote's child is, with the framework imported)."""
     out = tmp_path / "export_memory.json"
-    proc = subprocess.run([sys.executable, str(cli.ROOT / "benchmarks" / "export_memory.py"), "--dir", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, cwd=cli.ROOT, timeout=280,
-                          env=cli.env())
+    proc = cli.run_script(str(cli.ROOT / "benchmarks" / "export_memory.py"),
+                          ["--smoke", "--dir", str(tmp_path), "--out", str(out)], cwd=cli.ROOT, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["model_bytes"] > 140e6

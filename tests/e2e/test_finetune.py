@@ -3,9 +3,6 @@ directory, LoRA on the attention projections, the user's own dataset, data zero 
 and as an adapter, each loaded back with from_pretrained (Note [LoRA], Note [export names])."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -16,8 +13,7 @@ EXPORT = str(cli.ROOT / "launch" / "export.py")
 
 
 def export(cwd, *args: str) -> None:
-    proc = subprocess.run([sys.executable, EXPORT, *args], cwd=cwd, env=cli.env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = cli.run_script(EXPORT, list(args), cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -1,8 +1,9 @@
-"""benchmarks/gpu.py as a user runs it: --smoke gives every row of the GPU table on the CPU with tiny sizes."""
+"""benchmarks/gpu.py as a user runs it: --smoke gives every row of the GPU table on the CPU with tiny sizes.
+
+Each command is a child of the zygote (tests/cli.py `run_script`); --smoke then forks its own runs from it, with
+the framework imported (benchmarks/gpu.py `forked_proc`)."""
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,8 +16,7 @@ SCRIPT = str(cli.ROOT / "benchmarks" / "gpu.py")
 @pytest.mark.timeout(300)
 def test_smoke_fills_every_row(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], capture_output=True, text=True,
-                          cwd=cli.ROOT, timeout=280)
+    proc = cli.run_script(SCRIPT, ["--smoke", "--out", str(out)], cwd=cli.ROOT, timeout=280)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["smoke"] and result["torch"] == torch.__version__ and result["device"].startswith("cpu")
@@ -47,14 +47,12 @@ def test_smoke_fills_every_row(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="says so only where there is no GPU")
 def test_without_a_gpu_says_so_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "gpu.json")], capture_output=True,
-                          text=True, cwd=cli.ROOT, timeout=120)
+    proc = cli.run_script(SCRIPT, ["--out", str(tmp_path / "gpu.json")], cwd=cli.ROOT)
     assert proc.returncode == 1 and not (tmp_path / "gpu.json").exists()
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "needs a CUDA GPU" in proc.stderr
     assert "--smoke" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_smoke_never_overwrites_the_gpu_results():
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", "benchmarks/results/gpu.json"],
-                          capture_output=True, text=True, cwd=cli.ROOT, timeout=120)
+    proc = cli.run_script(SCRIPT, ["--smoke", "--out", "benchmarks/results/gpu.json"], cwd=cli.ROOT)
     assert proc.returncode == 2 and "never writes the GPU results" in proc.stderr

@@ -131,12 +131,37 @@ def test_by_module_report_lists_the_locally_connected_layer(tmp_path):
     (["plan.by_module=maybe"], "plan.by_module='maybe'"),
     (["strategy=pipeline", "strategy.activations=disk", "world_size=2"], "strategy.activations='disk'"),
     (["strategy=pipeline", "strategy.zero=3", "world_size=2"], "strategy.zero=3: not a key of strategy=pipeline"),
+    (["plan.calibration=nope.json"], "plan.calibration='nope.json': no such file"),
 ])
 def test_bad_input_is_a_config_error_naming_the_key(tmp_path, args, message):
     proc = plan(args + [f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert "config error" in proc.stderr and message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_calibration_made_here_prices_the_plan(tmp_path):
+    """launch/calibrate.py on 2 processes (products, memory, reference steps, every collective; the framework's
+    own reference runs left out), then a plan priced with it (Note [cost model]): the predicted step time and its
+    terms, printed and in plan.json."""
+    cal = tmp_path / "calibration.json"
+    out = cli.run_script(str(cli.ROOT / "launch" / "calibrate.py"), ["nproc=2", f"out={cal}", "runs=false"],
+                         cwd=tmp_path, timeout=100).stdout
+    assert f"written: {cal}" in out and "2 process(es)" in out
+    rates = json.loads(cal.read_text())
+    assert rates["world"] == 2 and rates["threads"] >= 1 and rates["op_s"] > 0
+    assert {f"{k}/2" for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")} == \
+        set(rates["comm"]) and all(bw > 0 and lat >= 0 for lat, bw in rates["comm"].values())
+    out = plan(["strategy=data", "strategy.zero=3", "world_size=2", f"plan.calibration={cal}", f"run_dir={tmp_path}"],
+               cwd=tmp_path).stdout
+    assert "step time: predicted" in out and "rates launch/calibrate.py" in out
+    step = json.loads((tmp_path / "plan.json").read_text())["step_time"]
+    t = step["predicted_s"]
+    assert step["calibration"] == str(cal) and t["comm"] > 0 and t["bubble"] == 0
+    assert t["step"] == pytest.approx(t["products"] + t["memory"] + t["ops"] + t["comm"])
+    bad = cli.run_script(str(cli.ROOT / "launch" / "calibrate.py"), ["nproc=0"], cwd=tmp_path)
+    assert bad.returncode == 2 and "nproc='0'" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.timeout(120)

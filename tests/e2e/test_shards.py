@@ -16,9 +16,9 @@ PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=Tr
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
-def make(tmp_path, n: int, name: str = "data", extra: list[str] = ()) -> tuple[str, int]:
+def make(tmp_path, n: int, name: str = "data", extra: list[str] = (), peak: bool = True) -> tuple[str, int | None]:
     """A learnable regression dataset of `n` samples written by make_shards.py (inputs built chunk-wise), and
-    make_shards.py's peak RSS in KiB."""
+    make_shards.py's peak RSS in KiB (`peak`: in a new interpreter of its own; else None, the zygote's child)."""
     x_path, y_path = tmp_path / f"{name}-x.npy", tmp_path / f"{name}-y.npy"
     x = np.lib.format.open_memmap(x_path, mode="w+", dtype=np.float32, shape=(n, F))
     y = np.lib.format.open_memmap(y_path, mode="w+", dtype=np.float32, shape=(n, T))
@@ -31,17 +31,20 @@ def make(tmp_path, n: int, name: str = "data", extra: list[str] = ()) -> tuple[s
     x.flush(), y.flush()
     del x, y
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, "-c", PEAK, sys.executable, MAKE, f"features={x_path}",
-                           f"targets={y_path}", f"out={out}", *extra],
-                          env=cli.env(), capture_output=True, text=True, timeout=300)
+    args = [f"features={x_path}", f"targets={y_path}", f"out={out}", *extra]
+    if peak:
+        proc = subprocess.run([sys.executable, "-c", PEAK, sys.executable, MAKE, *args],
+                              env=cli.env(), capture_output=True, text=True, timeout=300)
+    else:
+        proc = cli.run_script(MAKE, args, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     x_path.unlink(), y_path.unlink()
-    return str(out), int(proc.stdout.split()[-1])
+    return str(out), int(proc.stdout.split()[-1]) if peak else None
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    return make(tmp_path_factory.mktemp("shards"), 3000, extra=["shard_size=64KB"])[0]
+    return make(tmp_path_factory.mktemp("shards"), 3000, extra=["shard_size=64KB"], peak=False)[0]
 
 
 @pytest.mark.timeout(200)

@@ -4,12 +4,19 @@ trainer.requeue outside SLURM. Runs: tests/e2e/test_preemption.py."""
 import logging
 import os
 import subprocess
-import sys
 
 import pytest
 
 from parallel import preemption
 from tests import cli
+
+
+def script(tmp_path, code: str, *args) -> subprocess.CompletedProcess:
+    """`code` run as a script of its own with `args`: a process of its own, the zygote's child (tests/cli.py)."""
+    path = tmp_path / "script.py"
+    path.write_text(code)
+    return cli.run_script(str(path), list(map(str, args)), cwd=cli.ROOT, timeout=50)
+
 
 # A worker of one process watching for signals: SIGUSR1 twice at once, the agreement, then SIGTERM after `gap`.
 WORKER = """
@@ -34,9 +41,8 @@ print("not stopped", flush=True)
     (30, 1.2, 128 + 15, "a second signal (SIGTERM): stopping at once, without saving"),
     (0.8, 20, 128 + 10, "trainer.preempt_timeout_s=0.8 passed since SIGUSR1: stopping at once, without saving"),
 ], ids=["second signal", "timeout"])
-def test_a_second_signal_or_the_timeout_stops_at_once(timeout_s, gap, status, why):
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(timeout_s), str(gap)], cwd=cli.ROOT, env=cli.env(),
-                          capture_output=True, text=True, timeout=50)
+def test_a_second_signal_or_the_timeout_stops_at_once(tmp_path, timeout_s, gap, status, why):
+    proc = script(tmp_path, WORKER, timeout_s, gap)
     assert proc.stdout == "agreed 10\n", proc.stdout + proc.stderr  # SIGUSR1 twice at once: one signal
     assert proc.returncode == status and why in proc.stderr, proc.stderr
 
@@ -97,9 +103,8 @@ print(checked, flush=True)
     # measured step a little longer, so 4 apart is also right); the signal in step 7 is seen at the next check.
     (0.05, None),
 ], ids=["every boundary", "every few"])
-def test_the_ranks_agree_at_every_boundary_or_every_few(check_s, expected):
-    proc = subprocess.run([sys.executable, "-c", CADENCE, str(check_s), "0.01"], cwd=cli.ROOT, env=cli.env(),
-                          capture_output=True, text=True, timeout=50)
+def test_the_ranks_agree_at_every_boundary_or_every_few(tmp_path, check_s, expected):
+    proc = script(tmp_path, CADENCE, check_s, 0.01)
     assert proc.returncode == 0, proc.stderr
     checked = eval(proc.stdout)
     if expected is not None:

@@ -1,0 +1,265 @@
+"""A planned step's time: its work (Note [step work]) timed on this machine or priced with a machine's measured
+rates (Note [calibration]).
+
+# Note [cost model]
+For each rank role the planner gives the work of one step; its time is
+
+    compute    when the run computes on this machine (no plan.calibration,
+               or one made here): each distinct op call of the step (the op,
+               its arguments' shapes, strides and dtypes) run here once on
+               real tensors and timed, x how often the step makes it; a call
+               that cannot run without real values is priced as below.
+               Otherwise, priced with the calibration's rates: sum over the
+               product size classes of FLOPs / the class's rate, plus the
+               bytes other ops move x the seconds per byte of their class,
+               each scaled by what the reference steps fitted, plus ops x the
+               time per op. Both add the fixed time per step. Workers that
+               outnumber the cores share them: x W x threads / cores, over
+               the share the rates were measured with.
+    bubble     a pipeline's compute x b / (1 - b), b its schedule's idle
+               share (parallel.strategies.pipeline.schedules.analytic_bubble)
+    comm       per collective kind and group size: calls x its latency +
+               bytes handed / its bandwidth, both fitted from the measured
+               calls (gloo's reduce-scatter, an all-reduce inside, is what
+               was measured, not what a ring would do); DDP's buckets are
+               calls of their own (1 MiB first, then 25 MiB)
+    transfers  bytes offload moves to and from its disk tier / the disk
+               bandwidth measured at start (0 when nothing goes to disk)
+    step       compute + bubble + comm + transfers, of the slowest role
+
+Timing the calls replaces a model of kernels (how fast a product of this
+shape runs, whether an op's bytes stay in the caches, what GELU costs) with
+the kernels themselves: the replayed calls of a step add up to within a few
+percent of the step run whole. On the CPU the workers' threads take every
+core, so communication does not overlap compute: the terms add. On GPUs they
+would (DDP's buckets with backward, FSDP2's prefetch, a pipeline's sends):
+the model adds them there too, an upper bound until it is measured on one. It
+leaves out: the first steps' warm-up, the Python of hooks (FSDP2's, DDP's),
+the data loader's time when it is the bottleneck, and logging.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from parallel.calibration import Calibration, cores, quick
+from parallel.config import Config, ConfigError, cuda_run, pipelined, strategy_spec
+from parallel.hardware import worker_threads
+from parallel.plan_work import byte_class, size_class
+from parallel.strategies.pipeline.schedules import analytic_bubble
+
+log = logging.getLogger("parallel")
+
+
+def load(path: str, world: int, cuda: bool) -> Calibration:
+    """calibration.json at `path`, checked against the planned run: another device kind is an error, another
+    torch or worker count a warning that says what is done instead.
+
+    Raises:
+        ConfigError: missing, unreadable, or measured on another kind of device.
+    """
+    where = f"plan.calibration={path!r}"
+    try:
+        raw = json.loads(Path(path).read_text())
+        cal = Calibration(**raw)
+        if not cal.products or not cal.memory:
+            raise ValueError("no product or memory rates")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file (make one with `python launch/calibrate.py nproc={world}`)") \
+            from None
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: not a calibration file ({type(e).__name__}: {e}); make one with "
+                          f"`python launch/calibrate.py nproc={world}`") from None
+    want = "cuda" if cuda else "cpu"
+    if cal.kind != want:
+        raise ConfigError(f"{where}: measured on {cal.device}, and this run is planned for {want}; make one on a "
+                          f"node of the machine that will run it (`python launch/calibrate.py nproc={world}"
+                          f"{' trainer.device=cuda' if cuda else ''}`)")
+    if cal.torch.split("+")[0] != torch.__version__.split("+")[0]:
+        log.warning("%s: made with torch %s, this is %s: its rates used as they are", where, cal.torch,
+                    torch.__version__)
+    if cal.world != world:
+        log.warning("%s: measured with %d processes, the plan has %d: compute scaled by the cores' share, "
+                    "collectives of a group size not measured priced as the nearest measured", where, cal.world,
+                    world)
+    return cal
+
+
+def calibration_for(cfg: Config, world: int) -> Calibration:
+    """plan.calibration, else this process measured now (parallel.calibration.quick): on its GPU for a CUDA
+    run, and on the CPU for a CUDA run planned on a host without one (with a warning: such times rank the
+    candidates, they are not a GPU's)."""
+    if cfg.plan.calibration:
+        return load(cfg.plan.calibration, world, cuda_run(cfg.trainer.device))
+    if cuda_run(cfg.trainer.device):
+        if torch.cuda.is_available():
+            return quick(world, torch.device("cuda"))
+        log.warning("plan.calibration: none given, and this host has no GPU: the CUDA run's step times are priced "
+                    "with this CPU's rates (they rank the candidates; for a GPU's times make a calibration on one: "
+                    "`python launch/calibrate.py nproc=N` on a GPU node, then plan.calibration=PATH)")
+        cal = quick(world)
+        cal.made += ", for a CUDA run on a host without a GPU"
+        return cal
+    return quick(world)
+
+
+def replay_for(cfg: Config, cal: Calibration, world: int) -> Replay | None:
+    """A Replay when the run computes on this machine's kind of device and the rates are this machine's (no
+    plan.calibration, or one made here): its op calls are then timed here (Note [cost model])."""
+    import platform
+
+    cuda = cuda_run(cfg.trainer.device)
+    if cuda and not torch.cuda.is_available() or cal.host != platform.node():
+        return None
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    return Replay(device, None if cuda else worker_threads(world))
+
+
+def _contention(cal: Calibration, world: int) -> float:
+    """Compute time x this factor for a run of `world` workers priced with rates measured with cal.world."""
+    if cal.kind == "cuda":
+        return 1.0
+    planned = max(1.0, world * cal.threads / (cal.cores or cores()))
+    return planned / cal.share()
+
+
+def compute_parts(work: dict, cal: Calibration, factor: float = 1.0) -> dict[str, float]:
+    """Seconds of a role's ops (Note [cost model]): products by size class, memory-bound ops by their bytes,
+    and the fixed cost of the ops and of the step ("ops")."""
+    products = sum(flops / cal.product_rate(int(size)) for size, (_, flops) in work["products"].items())
+    memory = sum(nbytes * cal.memory_time(int(size)) for size, (_, nbytes) in work["memory"].items())
+    return {"products": products * cal.products_scale * factor, "memory": memory * cal.memory_scale * factor,
+            "ops": (work["ops"] * cal.op_s + cal.step_s) * factor}
+
+
+def compute_time(work: dict, cal: Calibration, factor: float = 1.0) -> float:
+    """Seconds of a role's ops: the sum of `compute_parts`."""
+    return sum(compute_parts(work, cal, factor).values())
+
+
+def comm_time(work: dict, cal: Calibration) -> float:
+    """Seconds of a role's collectives and sends."""
+    total = 0.0
+    for key, (calls, nbytes) in work["comm"].items():
+        kind, group = key.rsplit("/", 1)
+        total += cal.comm_time(kind, int(group), calls, nbytes)
+    return total
+
+
+def step_times(cfg: Config, plans: list, cal: Calibration, world: int, disk: float | None = None,
+               replay: Replay | None = None) -> dict:
+    """The cost model's terms for a planned step (Note [cost model]), in seconds, of its slowest role: compute
+    (and its parts: products, memory, ops), bubble, comm, transfers and their sum, step. `replay`: the op
+    calls are timed on this machine instead of priced by class."""
+    s = cfg.strategy
+    factor = _contention(cal, world)
+
+    def compute(p) -> dict[str, float]:
+        if replay is None or not p.calls:
+            return compute_parts(p.work, cal, factor)
+        timed = replay.price(p.calls, cal)
+        return {"products": timed["products"] * factor, "memory": timed["memory"] * factor,
+                "ops": cal.step_s * factor}
+
+    rows = [(compute(p), comm_time(p.work, cal), p) for p in plans]
+    parts, comm, worst = max(rows, key=lambda r: sum(r[0].values()) + r[1])
+    compute = sum(parts.values())
+    bubble = 0.0
+    if pipelined(s):  # the idle share b of the step: idle time = compute x b / (1 - b)
+        idle = analytic_bubble(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
+        bubble = compute * idle / (1 - idle)
+    transfers = worst.io_bytes / disk if disk and strategy_spec(s.name).offloads else 0.0
+    return {**parts, "compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,
+            "step": compute + bubble + comm + transfers}
+
+
+def _real(spec, device: torch.device):
+    """A real argument made from its description (parallel.plan_work.spec): tensors of the shape, strides,
+    offset and dtype, floating ones in [0.5, 1.5) (no square root of a negative, nothing that shrinks to
+    denormals in a few calls), integer and boolean ones zeros (a valid index)."""
+    kind = spec[0]
+    if kind == "tensor":
+        _, shape, stride, offset, dtype = spec
+        need = offset + (1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0)
+        base = torch.empty(max(need, 1), dtype=dtype, device=device)
+        base.uniform_(0.5, 1.5) if dtype.is_floating_point or dtype.is_complex else base.zero_()
+        return base.as_strided(shape, stride, offset)
+    if kind in ("list", "tuple"):
+        items = [_real(v, device) for v in spec[1:]]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {k: _real(v, device) for k, v in spec[1:]}
+    return None if kind == "generator" else spec[1]
+
+
+class Replay:
+    """Each distinct op call of a planned step run here on real tensors and timed (Note [cost model]), once
+    per call shape for every candidate priced with it.
+
+    Args:
+        device: where the run computes (this machine's).
+        threads: the torch threads each worker of the run will have (None: this process's).
+    """
+
+    def __init__(self, device: torch.device, threads: int | None = None):
+        self.device, self.threads = device, threads
+        self.seconds: dict[tuple, float | None] = {}  # call -> seconds (None: could not run here)
+
+    def _time(self, key: tuple) -> float | None:
+        func, args, kwargs = key
+        try:
+            a, k = _real(args, self.device), _real(kwargs, self.device)
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+            func(*a, **k)  # warm: the kernel's first call allocates and picks its path
+            sync()
+            t0 = time.perf_counter()
+            func(*a, **k)
+            sync()
+            once = time.perf_counter() - t0
+            reps = max(1, min(20, int(2e-4 / max(once, 1e-7))))  # small calls: repeated for ~0.2 ms
+            if reps == 1:
+                return once
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                func(*a, **k)
+            sync()
+            return (time.perf_counter() - t0) / reps
+        except Exception:  # noqa: BLE001 - a call that needs real values (or another device): priced by class
+            return None
+
+    def price(self, calls: dict, cal: Calibration) -> dict[str, float]:
+        """Seconds of a role's calls: those with FLOPs ("products") and the rest ("memory"); a call that
+        cannot run here is priced by its class (Note [step work])."""
+        before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        out = {"products": 0.0, "memory": 0.0}
+        try:
+            with torch.no_grad():
+                for key, (n, flops, moved) in calls.items():
+                    if key not in self.seconds:
+                        self.seconds[key] = self._time(key)
+                    t = self.seconds[key]
+                    if t is None:
+                        t = (flops / cal.product_rate(size_class(flops)) if flops else
+                             moved * cal.memory_time(byte_class(moved)) + cal.op_s)
+                    out["products" if flops else "memory"] += n * t
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+
+def describe(cal: Calibration) -> str:
+    """One line naming the rates a prediction used."""
+    big = max(cal.products, key=int)
+    return (f"{cal.made}: {cal.device}, {cal.world} process(es) x {cal.threads} thread(s) on {cal.cores} cores; "
+            f"products {cal.products[big] / 1e9:.1f} GFLOP/s at {big}, {cal.op_s * 1e6:.1f} us per op"
+            + (f", all-reduce {cal.comm[k][1] / 1e9:.2f} GB/s" if (k := next(
+                (k for k in cal.comm if k.startswith("allreduce/")), None)) else "")
+            + (f", collectives in a step x {cal.comm_scale:.2f} + {cal.call_s * 1e3:.2f} ms an all-gather or "
+               f"reduce-scatter"
+               if cal.comm_scale != 1.0 or cal.call_s else ""))

@@ -1,0 +1,157 @@
+"""The work of a planned step as the cost model prices it: matrix products by size, the bytes other ops move,
+every op dispatched, and each collective call by kind and group size.
+
+# Note [step work]
+The planner (parallel.planner) runs a rank's step under fake tensors; this
+dispatch mode sees every op of it and sorts them as parallel.cost prices them
+(Note [cost model]):
+
+    products   ops with a FLOP formula in torch (matrix products, batched
+               ones, attention, convolutions), by size class: the cube root
+               of FLOPs / 2 (the side of the square product doing that
+               work), rounded to a power of two between 16 and 4096. Small
+               products run far below a core's peak, so each class has its
+               own measured rate; per class: calls and FLOPs.
+    memory     every other op that makes or changes a tensor: the bytes it
+               reads and writes (its tensor inputs, and its outputs unless
+               they are views), by byte class (4 KiB to 256 MiB by 16x, the
+               nearest): small ops stay in the caches; views move nothing.
+    ops        every op dispatched (each costs a fixed time besides its work:
+               dispatch, autograd's bookkeeping, the Python around it).
+    comm       each collective and point-to-point send, by (kind, the size of
+               its group): calls and the bytes it is handed (its input, before
+               any gather). Waits, receives and groups of one rank are left
+               out: a receive's time is its sender's.
+
+A step's work is `Work.as_dict()`: JSON, stored in plan.json per rank role.
+Beside it, `Work.calls` holds each distinct op call (the op and its
+arguments' shapes, strides and dtypes) with how often the step makes it:
+what the cost model replays on this machine (Note [cost model]).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from parallel.plan_comm import _INPUTS, _NOT_SENT, _group, _kind
+
+SIZES = tuple(2 ** i for i in range(4, 13))  # the product size classes: 16 .. 4096
+MEMORY_SIZES = tuple(4096 * 16 ** i for i in range(5))  # the byte classes of other ops: 4 KiB .. 256 MiB
+
+
+def size_class(flops: float) -> int:
+    """The size class of a product doing `flops` FLOPs (Note [step work])."""
+    side = (max(flops, 2.0) / 2) ** (1 / 3)
+    return min(SIZES, key=lambda s: abs(math.log2(s) - math.log2(side)))
+
+
+DDP_FIRST_BUCKET, DDP_BUCKET = 1 << 20, 25 << 20  # DDP's bucket sizes (torch's defaults)
+
+
+def ddp_calls(nbytes: int) -> int:
+    """All-reduce calls of DDP's buckets for `nbytes` of gradients: a small first bucket, then 25 MiB ones."""
+    return 1 + max(0, -(-(nbytes - DDP_FIRST_BUCKET) // DDP_BUCKET))
+
+
+def byte_class(nbytes: int) -> int:
+    """The byte class of an op moving `nbytes` (Note [step work])."""
+    return min(MEMORY_SIZES, key=lambda s: abs(math.log2(s) - math.log2(max(nbytes, 1))))
+
+
+def spec(value):
+    """A hashable description of an op's argument from which parallel.cost makes a real one: a tensor's
+    shape, strides, offset and dtype; sequences and dicts item by item; a generator as None."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(spec(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, spec(v)) for k, v in value.items()))
+    if isinstance(value, torch.Generator):
+        return ("generator",)
+    return ("value", value)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Work(TorchDispatchMode):
+    """The work of the ops dispatched while active, sorted as Note [step work] says."""
+
+    def __init__(self):
+        super().__init__()
+        self.products: dict[int, list[int]] = {}  # size class -> [calls, FLOPs]
+        self.memory: dict[int, list[int]] = {}  # byte class -> [calls, bytes]
+        self.ops = 0
+        self.comm: dict[tuple[str, int], list[int]] = {}  # (kind, group size) -> [calls, bytes handed]
+        # (op, its arguments' specs) -> [calls, FLOPs of one call, bytes of one]: what parallel.cost replays
+        self.calls: dict[tuple, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self._collective(func, args, kwargs)
+            return out
+        if func.namespace in ("prim", "profiler"):  # a fake tensor's device query, a profiler's range: no kernel
+            return out
+        self.ops += 1
+        formula = flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        moved = 0
+        if flops:
+            row = self.products.setdefault(size_class(flops), [0, 0])
+            row[0] += 1
+            row[1] += flops
+        elif not func.is_view:
+            inputs = _tensors((args, kwargs))
+            # an in-place op writes what it read (its output is one of its inputs): counted again
+            moved = _nbytes(inputs) + _nbytes(_tensors(out))
+            if moved:
+                row = self.memory.setdefault(byte_class(moved), [0, 0])
+                row[0] += 1
+                row[1] += moved
+        try:
+            key = (func, spec(args), spec(kwargs))
+            hash(key)
+        except TypeError:  # an argument that cannot be replayed: priced by its class only
+            return out
+        row = self.calls.setdefault(key, [0, flops, moved])
+        row[0] += 1
+        return out
+
+    def _collective(self, func, args, kwargs) -> None:
+        kind = _kind(func)
+        if kind in _NOT_SENT:
+            return
+        bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        try:
+            size = _group(bound).size()
+        except (KeyError, RuntimeError, ValueError):  # an op without a group: sized as a pair
+            size = 2
+        if size <= 1:
+            return
+        handed = sum(_nbytes(_tensors(bound[name])) for name in _INPUTS if name in bound)
+        self.add_comm(kind, size, 1, handed)
+
+    def add_comm(self, kind: str, size: int, calls: int, nbytes: int) -> None:
+        """Collective calls made outside the dispatch (DDP's bucket all-reduces, which the planner adds)."""
+        row = self.comm.setdefault((kind, size), [0, 0])
+        row[0] += calls
+        row[1] += nbytes
+
+    def as_dict(self, steps: int = 1) -> dict:
+        """The work of one step, of the `steps` counted (JSON: string keys)."""
+        return {"products": {str(s): [c // steps, f // steps] for s, (c, f) in sorted(self.products.items())},
+                "memory": {str(s): [c // steps, b // steps] for s, (c, b) in sorted(self.memory.items())},
+                "ops": self.ops // steps,
+                "comm": {f"{k}/{w}": [c // steps, b // steps] for (k, w), (c, b) in sorted(self.comm.items())}}

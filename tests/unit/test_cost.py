@@ -1,0 +1,147 @@
+"""The step-time model in one process: the work a planned step is sorted into (Note [step work]), its pricing
+(Note [cost model]), the fits and checks of a calibration (Note [calibration])."""
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+
+from parallel.calibration import Calibration, _fit, quick
+from parallel.config import Config, ConfigError
+from parallel.cost import Replay, comm_time, compute_time, load, step_times
+from parallel.models.build import build_meta_model
+from parallel.plan_work import Work, byte_class, ddp_calls, size_class
+from parallel.planner import plan
+from parallel.validate import validate
+
+
+def _cal(**changes) -> Calibration:
+    base = Calibration(torch=torch.__version__, device="cpu", world=2, threads=1, cores=2,
+                       products={"16": 1e9, "64": 4e9, "256": 16e9}, memory={"4096": 1e-10, "1048576": 2e-10},
+                       op_s=1e-6, step_s=1e-4, comm={"allreduce/2": [1e-4, 1e9], "allgather/2": [2e-4, 5e8]},
+                       made="test")
+    return dataclasses.replace(base, **changes)
+
+
+def test_classes_and_buckets():
+    assert size_class(2 * 64 ** 3) == 64 and size_class(2 * 100 ** 3) == 128 and size_class(1) == 16
+    assert size_class(2 * 10_000 ** 3) == 4096
+    assert byte_class(1) == 4096 and byte_class(1 << 20) == 1 << 20 and byte_class(3 << 20) == 1 << 20
+    assert byte_class(5 << 20) == 16 << 20 and byte_class(1 << 40) == 256 << 20
+    # DDP: a 1 MiB first bucket, then 25 MiB ones
+    assert ddp_calls(1000) == 1 and ddp_calls(1 << 20) == 1 and ddp_calls((1 << 20) + 1) == 2
+    assert ddp_calls((26 << 20) + 1) == 3
+
+
+def test_work_sorts_products_memory_views_and_ops():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with Work() as w:
+        c = a @ b  # a product: 2 x 64^3 FLOPs, class 64
+        d = c + a  # memory: reads two, writes one
+        c.add_(a)  # in place: reads two, writes the first again
+        c.view(-1)  # a view moves nothing (but is an op)
+    assert d.shape == (64, 64)
+    out = w.as_dict()
+    assert out["products"] == {"64": [1, 2 * 64 ** 3]}
+    assert out["memory"] == {"65536": [2, 3 * 64 * 64 * 4 * 2]}
+    assert out["ops"] == 4 and out["comm"] == {}
+    assert w.as_dict(steps=2)["products"] == {"64": [0, 64 ** 3]}
+
+
+def _planned(**strategy):
+    cfg = Config()
+    cfg.model.args = {"hidden": 32, "depth": 2}
+    for key, value in strategy.items():
+        setattr(cfg.strategy, key, value)
+    validate(cfg, 2)
+    return cfg, plan(cfg, 2)
+
+
+def test_a_planned_step_counts_ddp_buckets_and_fsdp_calls():
+    cfg, (zero0,) = _planned(name="data", zero=0)
+    grads = sum(p.numel() * 4 for p in build_meta_model(cfg.model).parameters())
+    # DDP's one bucket of the gradients (a regression's mean loss all-reduces nothing else)
+    assert zero0.work["comm"] == {"allreduce/2": [ddp_calls(grads), grads]} and ddp_calls(grads) == 1
+    assert zero0.work["ops"] > 0 and zero0.work["products"] and zero0.work["memory"]
+    _, (zero3,) = _planned(name="data", zero=3)
+    kinds = {k.split("/")[0] for k in zero3.work["comm"]}
+    assert {"allgather", "reducescatter"} <= kinds  # FSDP2's gathers and gradient reduce-scatters
+    t = step_times(cfg, [zero0], _cal(), 2)
+    assert t["step"] == pytest.approx(t["compute"] + t["comm"]) and t["bubble"] == 0 and t["comm"] > 0
+
+
+def test_pricing_is_the_stated_sum():
+    cal = _cal()
+    work = {"products": {"64": [3, 6e6], "1024": [1, 32e9]}, "memory": {"4096": [10, 40_000]}, "ops": 100,
+            "comm": {"allreduce/2": [2, 1e6], "allgather/4": [1, 1e6], "send/2": [1, 1e6]}}
+    # the 1024 class takes the largest measured rate (256's); ops and the step's fixed time added
+    expected = 6e6 / 4e9 + 32e9 / 16e9 + 40_000 * 1e-10 + 100 * 1e-6 + 1e-4
+    assert compute_time(work, cal) == pytest.approx(expected)
+    assert compute_time(work, cal, factor=2.0) == pytest.approx(2 * expected)
+    # a group size not measured: the nearest measured one; a kind not measured: the all-reduce's fit
+    assert comm_time(work, cal) == pytest.approx((2e-4 + 1e6 / 1e9) + (2e-4 + 1e6 / 5e8) + (1e-4 + 1e6 / 1e9))
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    points = [(n, 3e-5 + n / 2e9) for n in (4096, 65536, 1 << 20, 16 << 20)]
+    latency, bandwidth = _fit(points)
+    assert latency == pytest.approx(3e-5, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+
+
+def test_quick_measures_every_term():
+    cal = quick(2)
+    assert cal.world == 2 and cal.device == "cpu" and cal.op_s > 0 and cal.step_s >= 0
+    assert set(cal.products) == {"16", "32", "64", "128", "256", "512"} and all(v > 0 for v in cal.products.values())
+    assert all(v > 0 for v in cal.memory.values()) and "allreduce/2" in cal.comm
+
+
+def test_bad_calibration_files(tmp_path, caplog):
+    with pytest.raises(ConfigError, match="no such file.*launch/calibrate.py nproc=2"):
+        load(str(tmp_path / "none.json"), 2, cuda=False)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a calibration file"):
+        load(str(bad), 2, cuda=False)
+    bad.write_text(json.dumps({"torch": "x"}))
+    with pytest.raises(ConfigError, match="not a calibration file"):
+        load(str(bad), 2, cuda=False)
+    path = tmp_path / "calibration.json"
+    _cal().write(str(path))
+    with pytest.raises(ConfigError, match="measured on cpu, and this run is planned for cuda"):
+        load(str(path), 2, cuda=True)
+    _cal(torch="2.0.0", world=4).write(str(path))
+    with caplog.at_level(logging.WARNING, logger="parallel"):
+        cal = load(str(path), 2, cuda=False)
+    assert cal.world == 4
+    assert "made with torch 2.0.0" in caplog.text and "measured with 4 processes, the plan has 2" in caplog.text
+
+
+def test_rates_measured_with_more_workers_sharing_cores_are_scaled():
+    cfg, (zero0,) = _planned(name="data", zero=0)
+    one = step_times(cfg, [zero0], _cal(world=2, threads=1, cores=2), 2)["compute"]
+    # the same rates measured by 4 processes of one thread on the 2 cores (2 threads per core): the plan's 2
+    # workers get a core each, twice as fast
+    shared = step_times(cfg, [zero0], _cal(world=4, threads=1, cores=2), 2)["compute"]
+    assert shared == pytest.approx(one / 2)
+
+
+def test_replay_times_each_distinct_call_once_and_prices_the_rest_by_class():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with Work() as w:
+        for _ in range(3):
+            (a @ b.t()).relu_()  # the same calls three times: a product of a transposed view, an in-place op
+        torch.nn.functional.embedding(torch.zeros(4, dtype=torch.long), a)  # integer indices: zeros, valid
+    calls = {key: [n, flops, moved] for key, (n, flops, moved) in w.calls.items()}
+    assert sum(n for n, _, _ in calls.values()) == w.ops == 11  # t, mm, relu_ x3; embedding (2 ops)
+    assert len(calls) == 5
+    mm = next(k for k in calls if k[0] is torch.ops.aten.mm.default)
+    assert mm[1][2][2] == (1, 64)  # b.t(): strides kept
+    replay = Replay(torch.device("cpu"))
+    t = replay.price(calls, _cal())
+    assert len(replay.seconds) == len(calls) and all(s is not None and s > 0 for s in replay.seconds.values())
+    assert t["products"] == pytest.approx(3 * replay.seconds[mm]) and t["memory"] > 0
+    # a call that cannot run here (an index out of range needs real values) is priced by its class
+    bad = (torch.ops.aten.select.int, (("tensor", (2,), (1,), 0, torch.float32), ("value", 0), ("value", 5)), ())
+    assert replay.price({bad: [1, 0, 8]}, _cal()) == {"products": 0.0, "memory": pytest.approx(8 * 1e-10 + 1e-6)}
+    assert replay.seconds[bad] is None
