@@ -103,11 +103,10 @@ def cpu_peak(seconds: float = 0.02, size: int = 512) -> float:
 
 
 def worker_threads(local_workers: int) -> int | None:
-    """The torch threads of each of `local_workers` CPU workers on this machine: the cores shared out (at least
-    one each), as torchrun's OMP_NUM_THREADS=1 does for several workers, so that workers do not run more
-    threads than there are cores (small matrix products slow down many times over when threads wait on a
-    core); None when OMP_NUM_THREADS is set (the user's choice stands)."""
-    if os.environ.get("OMP_NUM_THREADS"):
+    """The torch threads of each of `local_workers` (> 1) CPU workers on this machine: torch's own count shared
+    out (at least one each), as torchrun's OMP_NUM_THREADS=1 does for several workers, so that workers do not
+    run more threads than there are cores (small matrix products slow down many times over when threads wait
+    on a core); None for one worker (torch's count stands), or when OMP_NUM_THREADS is set (the user's)."""
+    if os.environ.get("OMP_NUM_THREADS") or local_workers <= 1:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, local_workers))
+    return max(1, torch.get_num_threads() // local_workers)

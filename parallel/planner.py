@@ -372,7 +372,7 @@ def _rank_plan(rank: int, tracker, modules, flops, comm, work: Work, ddp: DDPSta
                     flops=flops.total // 2, ops=flops.ops // 2,
                     comm_bytes=comm.bytes + sum(ring_all_reduce_bytes(b, w) for b, w in ddp.buckets()),
                     all_to_all_bytes=comm.all_to_all, io_bytes=io.moved[0] // 2, work=step_work,
-                    calls={key: [n / 2, flops, moved] for key, (n, flops, moved) in work.calls.items()},
+                    calls={key: [n / 2, f, moved] for key, (n, f, moved) in work.calls.items()},
                     workspaces=tracker.workspaces, host_pinned=io.pinned[1],
                     rounding=tracker.peak - tracker.raw + held - buckets if cuda is not None else 0,
                     fp32_on_cuda={k: n // 2 for k, n in cuda.fp32_on_cuda.items()} if cuda is not None else {})
