@@ -10,19 +10,21 @@ once, so the cores they share are in every figure), and each measures:
     products   FLOP/s of square matrix products of each size class, 16 up
                to 1024 on a CPU (4096 on a GPU); a larger class takes the
                largest measured rate
-    memory     seconds per byte of an elementwise op (read two, write one) of
-               each size class, 4 KiB to 256 MiB by 16x, less the time of the
-               smallest such op (which is dispatch, counted per op)
-    ops        seconds per op of a small training step (forward, backward,
-               AdamW) beyond its work: dispatch, autograd, Python
-    step       seconds a training step costs besides its ops: the trainer's
-               own bookkeeping, measured as a plain loop's step minus its ops
+    memory     seconds per byte of an elementwise op (read two, write one, a
+               new output each call) of each byte class, 4 KiB to 256 MiB by
+               16x, less the time of the smallest such op (its dispatch)
+    steps      8 reference training steps (plain torch MLPs and a small
+               transformer; forward, backward, clipping, AdamW) and their
+               work: products_scale, memory_scale (what ops cost in a step
+               beyond what they cost alone: caches, new allocations,
+               GELU's arithmetic), op_s (per op) and step_s (per step) fitted
+               to them, least squares of the relative error, non-negative
     comm       for each collective kind (all-reduce, all-gather,
                reduce-scatter, all-to-all, broadcast, send) and each group
                size dividing W: the time of one call at 4 KiB ... 16 MiB,
-               fitted as latency + bytes / bandwidth (least squares over the
-               sizes, each size the median of its repeats; relative errors); gloo on a CPU,
-               NCCL on GPUs
+               fitted as latency + bytes / bandwidth (least squares of the
+               relative error over the sizes, each the median of its
+               repeats); gloo on a CPU, NCCL on GPUs
 
     in a step  two runs of the framework itself on W workers (the built-in
                MLP, hidden 512, depth 6, 64 samples a worker, data zero 0
@@ -37,9 +39,12 @@ once, so the cores they share are in every figure), and each measures:
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
 that differs is told which (parallel.cost.load). Without a file, strategy=auto
-and launch/plan.py measure the process they run in (`quick`): the products
-and ops of one process, scaled by how many workers share each core, and the
-loopback bandwidth for every collective.
+and launch/plan.py measure the process they run in (`quick`): products and
+memory-bound ops on the threads a worker will have, op_s and step_s from a
+tiny step (its ops do almost no work), scaled by how many workers share each
+core, and the loopback bandwidth for every collective (no latency). On the
+machine that runs it, parallel.cost times the plan's own op calls instead of
+pricing them by class (Note [cost model]).
 """
 from __future__ import annotations
 

@@ -64,18 +64,6 @@ def cuda_precision(bf16: bool) -> str:
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def matmul_rate(seconds: float = 0.3, size: int = 512) -> float:
-    """FLOP/s of float32 matrix products on this process's CPU threads: the mean over `seconds` of wall
-    time (a sustained rate, what the process gets while others share the cores)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    out = a @ b  # the first product allocates and wakes the library's threads
-    n, t0 = 0, time.perf_counter()
-    while n < 3 or time.perf_counter() - t0 < seconds:
-        torch.mm(a, b, out=out)
-        n += 1
-    return 2 * size ** 3 * n / (time.perf_counter() - t0)
-
-
 def cpu_peak(seconds: float = 0.02, size: int = 512) -> float:
     """The CPU's peak float32 matrix-product FLOP/s for this process: one thread's fastest product, timed by
     that thread's CPU time, times the process's thread count (Note [peak FLOP/s]).
