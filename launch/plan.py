@@ -101,7 +101,7 @@ def main(dcfg: DictConfig) -> None:
         {k: v for k, v in vars(p).items() if k not in ("by_module", "calls")} for p in plans]}
     if cuda:
         record["cuda"] = _cuda_notes(cfg, plans)
-    record["step_time"] = _step_time(cfg, plans, world, run_dir)  # auto's pick: priced again, as the run would be
+    record["step_time"] = _step_time(cfg, plans, world, run_dir)  # auto's pick: its plan priced with auto's rates
     if found is not None:
         record["auto"] = [vars(c) for c in found]
     if options["plan.by_module"] and plans[0].by_module:

@@ -60,9 +60,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch import nn
 
+from parallel.flops import Flops  # the per-op count the planner makes
 from parallel.hardware import worker_threads
-from parallel.plan_work import MEMORY_SIZES, SIZES
+from parallel.plan_work import MEMORY_SIZES, SIZES, Work
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
 COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20)
@@ -188,8 +190,6 @@ def measure_memory(device: torch.device, seconds: float = 0.05, top: int = MEMOR
 def measure_ops(device: torch.device, seconds: float = 0.1, least: int = 3) -> tuple[float, float]:
     """(seconds per op, seconds per step besides its ops) of a tiny training step (forward, backward, AdamW,
     gradient reset) whose ops do almost no work: the same step with 8x the ops gives the slope."""
-    from parallel.flops import Flops  # the per-op count the planner makes
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -217,8 +217,6 @@ def measure_ops(device: torch.device, seconds: float = 0.1, least: int = 3) -> t
 def _reference(kind: str, width: int, depth: int, batch: int, device: torch.device):
     """A reference training step (forward, backward, clipping, AdamW, gradient reset) of a plain torch model:
     an MLP (matrix products, GELU) or a small pre-norm transformer (attention, layer norms, softmax)."""
-    from torch import nn
-
     torch.manual_seed(0)
     if kind == "mlp":
         layers = [nn.Linear(32, width), nn.GELU()]
@@ -250,8 +248,6 @@ REFERENCES = (("mlp", 16, 2, 4), ("mlp", 64, 8, 16), ("mlp", 256, 4, 64), ("mlp"
 
 def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3) -> list[tuple[dict, float]]:
     """(the work of one step, Note [step work]; its measured seconds) for each reference step."""
-    from parallel.plan_work import Work
-
     out = []
     for ref in references:
         step = _reference(*ref, device)

@@ -39,8 +39,11 @@ the data loader's time when it is the bottleneck, and logging.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
+import platform
 import time
 from pathlib import Path
 
@@ -89,34 +92,43 @@ def load(path: str, world: int, cuda: bool) -> Calibration:
     return cal
 
 
+@functools.lru_cache(maxsize=None)
+def _measured(world: int, device_type: str) -> Calibration:
+    """This process measured once (parallel.calibration.quick): auto's candidates and the plan it picks are
+    priced with the same rates."""
+    return quick(world, torch.device(device_type))
+
+
 def calibration_for(cfg: Config, world: int) -> Calibration:
-    """plan.calibration, else this process measured now (parallel.calibration.quick): on its GPU for a CUDA
-    run, and on the CPU for a CUDA run planned on a host without one (with a warning: such times rank the
-    candidates, they are not a GPU's)."""
+    """plan.calibration, else this process measured (parallel.calibration.quick, once a process): on its GPU
+    for a CUDA run, and on the CPU for a CUDA run planned on a host without one (with a warning: such times
+    rank the candidates, they are not a GPU's)."""
     if cfg.plan.calibration:
         return load(cfg.plan.calibration, world, cuda_run(cfg.trainer.device))
     if cuda_run(cfg.trainer.device):
         if torch.cuda.is_available():
-            return quick(world, torch.device("cuda"))
+            return _measured(world, "cuda")
         log.warning("plan.calibration: none given, and this host has no GPU: the CUDA run's step times are priced "
                     "with this CPU's rates (they rank the candidates; for a GPU's times make a calibration on one: "
                     "`python launch/calibrate.py nproc=N` on a GPU node, then plan.calibration=PATH)")
-        cal = quick(world)
-        cal.made += ", for a CUDA run on a host without a GPU"
-        return cal
-    return quick(world)
+        cal = _measured(world, "cpu")
+        return dataclasses.replace(cal, made=cal.made + ", for a CUDA run on a host without a GPU")
+    return _measured(world, "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _replay(device_type: str, threads: int | None) -> Replay:
+    """One Replay a process for each device and thread count: a call shape is timed once, whichever plan has it."""
+    return Replay(torch.device(device_type), threads)
 
 
 def replay_for(cfg: Config, cal: Calibration, world: int) -> Replay | None:
     """A Replay when the run computes on this machine's kind of device and the rates are this machine's (no
     plan.calibration, or one made here): its op calls are then timed here (Note [cost model])."""
-    import platform
-
     cuda = cuda_run(cfg.trainer.device)
     if cuda and not torch.cuda.is_available() or cal.host != platform.node():
         return None
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    return Replay(device, None if cuda else worker_threads(world))
+    return _replay("cuda", None) if cuda else _replay("cpu", worker_threads(world))
 
 
 def _contention(cal: Calibration, world: int) -> float:
