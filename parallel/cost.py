@@ -205,7 +205,11 @@ def _real(spec, device: torch.device):
         return items if kind == "list" else tuple(items)
     if kind == "dict":
         return {k: _real(v, device) for k, v in spec[1:]}
-    return None if kind == "generator" else spec[1]
+    if kind == "generator":
+        return None
+    # A device the plan names (its own, the CPU, when it plans a CUDA run there: autocast's casts, factory
+    # ops) is the replay's: a copy to it would otherwise time a transfer to host memory the run never makes.
+    return device if isinstance(spec[1], torch.device) else spec[1]
 
 
 class Replay:

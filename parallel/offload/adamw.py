@@ -14,6 +14,7 @@ move between offload and every other strategy.
 from __future__ import annotations
 
 from concurrent.futures import Executor
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -47,6 +48,49 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([grad], 2.0, foreach=True)
 
 
+class StepStream:
+    """Where a block's step runs under a GPU: a stream of its own (nothing on the CPU).
+
+    Its moments are read in first, then the update waits for the event recorded after its gradients were
+    handed off (`ready`), not for everything the compute stream has queued since; its writes to the host follow
+    the update on the write stream and are waited for on another thread (`BlockAdamW`). So the next block's
+    moments come in while this block's results go out, both while backward computes the blocks before them.
+    """
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def ready(self) -> "torch.cuda.Event | None":
+        """An event after the work queued so far on the caller's stream (None on the CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.stream.device))
+        return event
+
+    @contextmanager
+    def on(self):
+        """Run the body's GPU work on the step stream."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def after(self, ready: "torch.cuda.Event | None") -> None:
+        """What the step stream queues next waits for `ready` (`ready()`'s event; None on the CPU)."""
+        if self.stream is not None:
+            self.stream.wait_event(ready)
+
+    def done(self) -> "torch.cuda.Event | None":
+        """An event after the step stream's work so far (None on the CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """The optimizer whose `step` streams blocks through the engine; its param groups carry the
     learning rate the scheduler sets. The state lives with `BlockAdamW`, not in `self.state`."""
@@ -74,11 +118,12 @@ class BlockAdamW:
         tier: the optimizer tier (None: state and waiting gradients stay on the device).
         pool: the buffers gradients, moments and streamed weights pass through.
         stepper: the thread a block's step runs on without clipping.
+        finisher: the thread that waits for a step's writes and gives its buffers back.
         device: the compute device.
     """
 
     def __init__(self, cfg: Config, layout: Layout, stream: WeightStream, tier, pool: BufferPool,
-                 stepper: Executor, device: torch.device):
+                 stepper: Executor, finisher: Executor, device: torch.device):
         self.optim_cfg, self.clip_norm = cfg.optim, cfg.trainer.clip_grad_norm
         self.cls = optimizer_class(cfg.optim)
         self.kwargs = optimizer_kwargs(cfg.optim, self.cls)
@@ -86,6 +131,9 @@ class BlockAdamW:
         self.params, self.blocks, self.resident = layout.params, layout.blocks, layout.resident
         self.stream, self.tier, self.pool, self.stepper, self.device = stream, tier, pool, stepper, device
         self.last_step = None  # the block step in flight (without clipping)
+        self.finisher = finisher
+        self.finishing: list = []  # the steps whose writes are being waited for (`_finish_later`)
+        self.step_stream = StepStream(device)
         # AdamW's step counters, made as torch.optim.AdamW makes them (the planner's fake tensors can read
         # a value made this way)
         self.steps = {p: torch.tensor(0.0, dtype=torch.float32) for p in self.params}
@@ -113,10 +161,12 @@ class BlockAdamW:
         self.norms, self.coef = {}, None
 
     def wait(self) -> None:
-        """Wait for the block step in flight, if any."""
+        """Wait for the block step in flight, if any, and for every step's writes."""
         if self.last_step is not None:
             finish(self.last_step)
             self.last_step = None
+        while self.finishing:
+            finish(self.finishing.pop(0))
 
     def resident_grad_ready(self, p: nn.Parameter) -> None:
         self.norms[p] = _norm(p.grad)
@@ -146,7 +196,8 @@ class BlockAdamW:
             self.stream.unbind(b)
         if self.last_step is not None:
             finish(self.last_step)  # one step in flight at a time bounds the buffers it holds
-        self.last_step = self.stepper.submit(self._step_block, b, slots, params, grads, None, self.hyper())
+        ready = self.step_stream.ready()  # after the gradients' copies and the block's backward
+        self.last_step = self.stepper.submit(self._step_block, b, slots, params, grads, None, self.hyper(), ready)
 
     def _keep_grads(self, b: Block, grads: torch.Tensor) -> None:
         """With clipping: `b`'s gradients wait for the global norm on the optimizer tier (or the device)."""
@@ -167,7 +218,7 @@ class BlockAdamW:
                 self.state_in_memory[b.index] = [torch.zeros(b.trained, dtype=torch.uint8, device=self.device)
                                                   for _ in self.keys]
             return self.state_in_memory[b.index], False
-        bufs = [self.pool.take() for _ in self.keys]
+        bufs = [self.pool.take() for _ in self.keys]  # given back by the finisher thread, never by this one
         for kind, buf in zip("mv", bufs):
             if b.state_ready:
                 finish(self.tier.read(b.key(kind), buf[:b.trained]))
@@ -207,34 +258,49 @@ class BlockAdamW:
     @torch.no_grad()
     @phased("offload optimizer step")  # in a profile (Note [profiles])
     def _step_block(self, b: Block, slots: list[Slot], params: torch.Tensor | None, grads: torch.Tensor,
-                    coef: torch.Tensor | None, hyper: list[dict]) -> None:
-        """The step of block `b` (weights in `params`, or read here), then everything written back."""
+                    coef: torch.Tensor | None, hyper: list[dict], ready) -> None:
+        """The step of block `b` (weights in `params`, or read here), then everything written back. Under a GPU
+        it is queued on the step stream, the update after `ready` (`StepStream`), and returns once queued:
+        the finisher thread waits for the writes and gives the buffers back (`_finish_later`)."""
         streaming, tier_w = self.stream.streaming, self.stream.tier
-        if params is None and streaming:
-            params = self.pool.take()
-            finish(tier_w.read(b.key(), params[:b.nbytes]))
-        elif params is None:
-            params = b.buffer
-        bufs, pooled = self.states(b)
-        gs = [s.view(grads) for s in slots]
-        if coef is not None:
-            for g in gs:
-                g.mul_(coef)
-        self._update([s.param for s in slots], [s.view(params) for s in slots], gs,
-                     [[s.view(buf) for buf in bufs] for s in slots], hyper)
-        writes = []
-        if streaming:
-            writes.append(tier_w.write(b.key(), params[:b.trained]))  # the frozen rest is unchanged
-        if pooled:
-            writes += [self.tier.write(b.key(kind), buf[:b.trained]) for kind, buf in zip("mv", bufs)]
-            b.state_ready = True
-        for w in writes:
-            finish(w)
-        if streaming:
-            self.pool.give(params)
-        for buf in bufs if pooled else []:
-            self.pool.give(buf)
-        self.pool.give(grads)
+        with self.step_stream.on():
+            reads = []
+            if params is None and streaming:
+                params = self.pool.take()
+                reads.append(tier_w.read(b.key(), params[:b.nbytes]))
+            elif params is None:
+                params = b.buffer
+            bufs, pooled = self.states(b)
+            for r in reads:
+                finish(r)
+            self.step_stream.after(ready)
+            gs = [s.view(grads) for s in slots]
+            if coef is not None:
+                for g in gs:
+                    g.mul_(coef)
+            self._update([s.param for s in slots], [s.view(params) for s in slots], gs,
+                         [[s.view(buf) for buf in bufs] for s in slots], hyper)
+            writes = []
+            if streaming:
+                writes.append(tier_w.write(b.key(), params[:b.trained]))  # the frozen rest is unchanged
+            if pooled:
+                writes += [self.tier.write(b.key(kind), buf[:b.trained]) for kind, buf in zip("mv", bufs)]
+                b.state_ready = True
+            done = self.step_stream.done()
+        self._finish_later(writes, done, ([params] if streaming else []) + (bufs if pooled else []) + [grads])
+
+    def _finish_later(self, writes: list, done, buffers: list[torch.Tensor]) -> None:
+        """On the finisher thread: wait for `writes` and the step stream's `done` event, then give `buffers`
+        back to the pool (only then may another transfer or step use them)."""
+        def run():
+            for w in writes:
+                finish(w)
+            if done is not None:
+                done.synchronize()
+            for buf in buffers:
+                self.pool.give(buf)
+        self.finishing = [f for f in self.finishing if not f.done() or f.exception() is not None]
+        self.finishing.append(self.finisher.submit(run))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -252,7 +318,8 @@ class BlockAdamW:
                     finish(b.grads_write)  # a file being written reads short
                     grads = self.pool.take()
                     finish(self.tier.read(b.key("g"), grads[:b.trained]))
-                self._step_block(b, slots, None, grads, self.coef, hyper)
+                # after the gradients' read and the clip factor, queued on this thread's stream
+                self._step_block(b, slots, None, grads, self.coef, hyper, self.step_stream.ready())
                 b.grad_slots = []
         live = [p for p in self.resident if p.grad is not None]
         if live:
@@ -261,6 +328,7 @@ class BlockAdamW:
                     p.grad.mul_(self.coef)
             states = [self.resident_state.setdefault(p, [torch.zeros_like(p) for _ in self.keys]) for p in live]
             self._update(live, live, [p.grad for p in live], states, hyper)
+        self.wait()  # every block's new weights written before the next forward reads them
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (every parameter's, in model order); sets the clip factor the step applies."""

@@ -134,7 +134,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         self._make_pools(s.prefetch)
         self.stream = WeightStream(self.tiers["params"], device, self.waits)
         self.adamw = BlockAdamW(cfg, self.layout, self.stream, self.tiers["optimizer"], self.pool,
-                                runtime.executor(1, "offload-step"), device)
+                                runtime.executor(1, "offload-step"), runtime.executor(1, "offload-step-done"), device)
         self.lookahead = FrozenLookahead(model, cfg, device, runtime.executor(1, THREAD))
         self.hooks = BlockHooks(self.layout, self.stream, self.adamw, self.acts, s.prefetch, n_frozen,
                                 recompute=self.tier_names["activations"] == "checkpoint")
@@ -270,7 +270,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
 
     def close(self) -> None:
         """Wait for transfers, then remove every offload file."""
-        for ex in (self.lookahead.executor, self.adamw.stepper, self.io):
+        for ex in (self.lookahead.executor, self.adamw.stepper, self.adamw.finisher, self.io):
             ex.shutdown(wait=True, cancel_futures=True)
         for tier in self.tiers.values():
             if tier is not None:

@@ -1,8 +1,8 @@
 """Where offloaded bytes live: the tiers below the compute device.
 
     device  nothing moves: the tensors stay in device memory.
-    cpu     host memory. Under a GPU: pinned buffers, copies on a side stream
-            so they overlap compute. On a CPU-only machine the CPU *is* the
+    cpu     host memory. Under a GPU: pinned buffers, copies on side streams
+            (one each way) so they overlap compute and each other. On a CPU-only machine the CPU *is* the
             device, so `cpu` means `device` there.
     disk    one file per key under strategy.path, read with plain reads into
             reused buffers (never memory-mapped: resident pages of a mapping
@@ -135,10 +135,16 @@ class DiskTier:
 
 
 class HostTier:
-    """Pinned host buffers under a GPU; copies on a side stream (CUDA only).
+    """Pinned host buffers under a GPU; copies on side streams (CUDA only).
 
-    A read returns an event the compute stream waits on, so the copy overlaps
-    whatever the compute stream is doing until the data is needed.
+    Reads (host to device) and writes (device to host) go on streams of their
+    own, so the two directions run at once (a GPU copies both ways together)
+    and neither queues behind the other: a block's new weights and moments
+    going out while the next block's weights come in. A read returns an event
+    the compute stream waits on, so the copy overlaps whatever the compute
+    stream is doing until the data is needed. Every write is waited for
+    (`finish`) before its key is read again, so a read never overtakes the
+    write it depends on.
     """
 
     name = "cpu"
@@ -146,29 +152,32 @@ class HostTier:
     def __init__(self, device: torch.device, counters: Counters):
         self.device = device
         self.counters = counters
-        self.stream = torch.cuda.Stream(device)
+        self.reads = torch.cuda.Stream(device)
+        self.writes = torch.cuda.Stream(device)
         self.host: dict[str, torch.Tensor] = {}
 
     def write(self, key: str, src: torch.Tensor) -> "_Event":
         """Copy `src` (flat bytes) to the start of the host buffer of `key` (made at the first write); bytes
-        past them stay, as on the disk tier."""
+        past them stay, as on the disk tier. The copy follows the work queued so far on the caller's stream."""
         host = self.host.get(key)
         if host is None:
             host = self.host[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with phase(f"offload cpu write {key}"), torch.cuda.stream(self.stream):
+        self.writes.wait_stream(torch.cuda.current_stream(self.device))
+        with phase(f"offload cpu write {key}"), torch.cuda.stream(self.writes):
             host[:src.numel()].copy_(src, non_blocking=True)
-            src.record_stream(self.stream)
+            src.record_stream(self.writes)
         self.counters.add(written=src.numel() * src.element_size())
-        return _Event(self.stream, sync=True)
+        return _Event(self.writes, sync=True)
 
     def read(self, key: str, dst: torch.Tensor) -> "_Event":
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with phase(f"offload cpu read {key}"), torch.cuda.stream(self.stream):
+        """Fill `dst` from the host buffer of `key` once the work queued so far on the caller's stream (which
+        may still use `dst`) is done."""
+        self.reads.wait_stream(torch.cuda.current_stream(self.device))
+        with phase(f"offload cpu read {key}"), torch.cuda.stream(self.reads):
             dst.copy_(self.host[key], non_blocking=True)
-            dst.record_stream(self.stream)
+            dst.record_stream(self.reads)
         self.counters.add(read=dst.numel() * dst.element_size())
-        return _Event(self.stream, sync=False)
+        return _Event(self.reads, sync=False)
 
     def close(self) -> None:
         self.host.clear()

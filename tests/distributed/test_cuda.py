@@ -41,10 +41,11 @@ def test_fp32_on_cuda_matches_cpu_single(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("activations", ["device", "cpu"])
-def test_offload_to_pinned_host_memory_matches_single_on_cuda(tmp_path, activations):
-    """Weights and optimizer state in pinned host memory, copies on a side stream."""
-    common = cli.FAST + ["trainer.device=cuda", "trainer.precision=fp32"]
+@pytest.mark.parametrize("activations,clip", [("device", 1.0), ("cpu", 1.0), ("device", 0)])
+def test_offload_to_pinned_host_memory_matches_single_on_cuda(tmp_path, activations, clip):
+    """Weights and optimizer state in pinned host memory, copies on side streams (one each way). Without
+    clipping each block's step runs on a stream of its own while backward goes on (Note [offload engine])."""
+    common = cli.FAST + ["trainer.device=cuda", "trainer.precision=fp32", f"trainer.clip_grad_norm={clip}"]
     ref, off = tmp_path / "single", tmp_path / "offload"
     cli.run(common + [f"run_dir={ref}"], cwd=tmp_path)
     cli.run(common + ["strategy=offload", "strategy.params=cpu", "strategy.optimizer=cpu",

@@ -9,9 +9,9 @@ import torch
 
 from parallel.calibration import Calibration, _fit, quick
 from parallel.config import Config, ConfigError
-from parallel.cost import Replay, comm_time, compute_time, load, step_times
+from parallel.cost import Replay, _real, comm_time, compute_time, load, step_times
 from parallel.models.build import build_meta_model
-from parallel.plan_work import Work, byte_class, ddp_calls, size_class
+from parallel.plan_work import Work, byte_class, ddp_calls, size_class, spec
 from parallel.planner import plan
 from parallel.validate import validate
 
@@ -145,3 +145,14 @@ def test_replay_times_each_distinct_call_once_and_prices_the_rest_by_class():
     bad = (torch.ops.aten.select.int, (("tensor", (2,), (1,), 0, torch.float32), ("value", 0), ("value", 5)), ())
     assert replay.price({bad: [1, 0, 8]}, _cal()) == {"products": 0.0, "memory": pytest.approx(8 * 1e-10 + 1e-6)}
     assert replay.seconds[bad] is None
+
+
+def test_replay_makes_every_tensor_and_named_device_on_its_own_device():
+    """A CUDA run planned on the CPU names the CPU in its calls (autocast's casts, factory ops); replayed on the
+    GPU, they must stay on it, not time a copy to host memory the run never makes."""
+    x = torch.ones(2, 3)
+    key = spec(((x,), {"dtype": torch.bfloat16, "device": torch.device("cpu"), "non_blocking": False}))
+    args, kwargs = _real(key, torch.device("meta"))
+    assert args[0].device.type == "meta" and args[0].shape == (2, 3)
+    assert kwargs == {"dtype": torch.bfloat16, "device": torch.device("meta"), "non_blocking": False}
+    assert torch.ops.aten._to_copy.default(*args, **kwargs).device.type == "meta"
