@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests import gpus
+from tests import gpus, releases
 
 # Tiny models: one thread per process keeps multi-process tests from oversubscribing 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -21,6 +21,19 @@ def pytest_runtest_setup(item):
     need = max((m.args[0] if m.args else 1 for m in item.iter_markers("cuda")), default=0)
     if need and gpus.count() < need:
         pytest.skip(f"needs {need} CUDA device{'s' if need > 1 else ''} ({gpus.count()} visible)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails, in setup or in its body, with the config error of a feature this older torch lacks is
+    reported as skipped, that error its reason (Note [tests on older torch releases] in tests/releases.py)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and call.when in ("setup", "call"):
+        why = releases.too_old(str(call.excinfo.value))
+        if why:
+            report.outcome = "skipped"
+            report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {why}")
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,11 @@ params tier; every parameter object stays the same for the whole run, and its
             (post-accumulate-grad hooks), the gradients leave the device:
             - without clipping (trainer.clip_grad_norm=0) the block's
               optimizer step runs right then on a host thread, overlapping the rest of
-              backward, and writes the new weights and state back;
+              backward, and writes the new weights and state back; under a GPU it
+              is queued on a stream of its own (moments read in, the update after
+              its gradients, the writes) and a finisher thread waits for the writes
+              before its buffers go back to the pool (`StepStream` in adamw.py), so
+              one block's results go out while the next block's moments come in;
             - with clipping, the step needs the global norm first: gradients
               go to the optimizer tier, and `OffloadOptimizer.step` streams
               every block (weights, gradients, state) through the step after
@@ -37,8 +41,8 @@ listed above it (and tiers.py, activations.py below them all):
     pool.py       BufferPool: the device buffers, all allocated at the start
     layout.py     Slot, Block, Layout: real parameters, blocks, their flat buffers' slots
     stream.py     WeightStream: a block's weights read from the params tier, bound, let go
-    adamw.py      BlockAdamW, OffloadOptimizer: the gradients' hand-off, the per-block step (AdamW or SGD),
-                  the norm
+    adamw.py      BlockAdamW, OffloadOptimizer, StepStream: the gradients' hand-off, the per-block step
+                  (AdamW or SGD) and where it runs, the norm
     lookahead.py  FrozenLookahead: a frozen leading part one batch ahead (Note [frozen lookahead])
     saved.py      SavedTensors: the saved-tensors hooks
     hooks.py      BlockHooks: forward, backward and gradient hooks
