@@ -3,7 +3,7 @@ uses, in one place: which releases have each, and a one-line config error where 
 
 # Note [torch versions]
 Checked by running torch 2.11.0, 2.12.0, 2.14.0 and 2.15.0 (PyPI's CUDA wheels, on a CPU) and 2.13.0 (the CPU
-wheel); the unit and multi-process tests ran on 2.11.0, 2.13.0 and 2.15.0. Two private pieces differ within that range; every other private name parallel/ uses
+wheel); the unit and multi-process tests ran on 2.11.0, 2.13.0 and 2.15.0, the whole suite on 2.11.0 and 2.13.0. Two private pieces differ within that range; every other private name parallel/ uses
 (`ALWAYS` below) is in all five, and tests/unit/test_torch_compat.py resolves each one in the installed torch,
 so a release that drops one fails a test that names it rather than a user's run.
 
