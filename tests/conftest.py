@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests import gpus, releases
+from tests import gpus
 
 # Tiny models: one thread per process keeps multi-process tests from oversubscribing 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -30,6 +30,8 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and call.excinfo is not None and call.when in ("setup", "call"):
+        from tests import releases  # imports torch: only once a test has failed, never before `gpus.hide`
+
         why = releases.too_old(str(call.excinfo.value))
         if why:
             report.outcome = "skipped"

@@ -195,7 +195,7 @@ class BlockAdamW:
                 finish(b.pending)
             self.stream.unbind(b)
         if self.last_step is not None:
-            finish(self.last_step)  # one step in flight at a time bounds the buffers it holds
+            finish(self.last_step)  # one step being queued at a time (its writes end on the finisher thread)
         ready = self.step_stream.ready()  # after the gradients' copies and the block's backward
         self.last_step = self.stepper.submit(self._step_block, b, slots, params, grads, None, self.hyper(), ready)
 

@@ -2,8 +2,9 @@
 
     device  nothing moves: the tensors stay in device memory.
     cpu     host memory. Under a GPU: pinned buffers, copies on side streams
-            (one each way) so they overlap compute and each other. On a CPU-only machine the CPU *is* the
-            device, so `cpu` means `device` there.
+            (one each way) so they overlap compute and each other. On a
+            CPU-only machine the CPU *is* the device, so `cpu` means `device`
+            there.
     disk    one file per key under strategy.path, read with plain reads into
             reused buffers (never memory-mapped: resident pages of a mapping
             would count as memory that was supposed to be offloaded), on
