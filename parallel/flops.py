@@ -1,16 +1,51 @@
 """Counting FLOPs by torch's own per-op formulas (torch.utils.flop_counter), for the planner, strategy=auto's
-cost model and the logged MFU (parallel.throughput), so all three count alike."""
+cost model and the logged MFU (parallel.throughput), so all three count alike; plus the CPU's own attention
+kernels, which torch's table leaves out (`formula`)."""
 from __future__ import annotations
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+aten = torch.ops.aten
+
+
+def _attention(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """An attention forward: the scores (query x key) and their product with the values, over the query's
+    heads (grouped key/value heads are broadcast to them); causal masking not subtracted, as torch counts."""
+    b, h, s_q, d = query.shape
+    s_k, d_v = key.shape[-2], value.shape[-1]
+    return 2 * b * h * s_q * s_k * (d + d_v)
+
+
+def _attention_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    """An attention backward: the scores again, then the gradients of the scores, the values, the queries
+    and the keys (three products of the query's width, two of the values')."""
+    b, h, s_q, d = query.shape
+    s_k, d_v = key.shape[-2], value.shape[-1]
+    return 2 * b * h * s_q * s_k * (3 * d + 2 * d_v)
+
+
+# torch's table has formulas for the CUDA attention kernels (flash, efficient, cuDNN) only; on the CPU
+# scaled_dot_product_attention runs these, which would count as no FLOPs (and a CUDA run planned on the CPU
+# records them: Note [step work] in parallel/plan_work.py). The same products as torch's formula for the flash
+# kernel, written here for any head grouping (torch's own accepts grouped key/value heads from 2.13 only).
+_CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward}
+
+
+def formula(func):
+    """The FLOP formula of `func`'s op, called as `f(*args, **kwargs, out_val=out)`; None for an op without
+    products."""
+    packet = func._overloadpacket
+    return flop_registry.get(packet) or _CPU_ATTENTION.get(packet)
+
 
 class Flops(TorchDispatchMode):
-    """FLOPs of the ops run while active, by torch's own per-op formulas (torch.utils.flop_counter), and
-    how many ops ran. FlopCounterMode itself also attributes FLOPs to modules through autograd hooks on their
-    outputs, and those hooks keep tensors alive in checkpointed blocks: they would change the memory being
-    planned (and they cost time)."""
+    """FLOPs of the ops run while active, by torch's own per-op formulas (torch.utils.flop_counter, and
+    `formula`'s for the CPU's attention), and how many ops ran. FlopCounterMode itself also attributes FLOPs to
+    modules through autograd hooks on their outputs, and those hooks keep tensors alive in checkpointed blocks:
+    they would change the memory being planned (and they cost time)."""
 
     def __init__(self):
         super().__init__()
@@ -20,7 +55,7 @@ class Flops(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.ops += 1
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+        f = formula(func)
+        if f is not None:
+            self.total += f(*args, **kwargs, out_val=out)
         return out

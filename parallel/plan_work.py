@@ -35,8 +35,8 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
+from parallel.flops import formula
 from parallel.plan_comm import _INPUTS, _NOT_SENT, _group, _kind
 
 SIZES = tuple(2 ** i for i in range(4, 13))  # the product size classes: 16 .. 4096
@@ -105,8 +105,8 @@ class Work(TorchDispatchMode):
         if func.namespace in ("prim", "profiler"):  # a fake tensor's device query, a profiler's range: no kernel
             return out
         self.ops += 1
-        formula = flop_registry.get(func._overloadpacket)
-        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        f = formula(func)
+        flops = f(*args, **kwargs, out_val=out) if f is not None else 0
         moved = 0
         if flops:
             row = self.products.setdefault(size_class(flops), [0, 0])

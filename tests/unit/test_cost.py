@@ -156,3 +156,23 @@ def test_replay_makes_every_tensor_and_named_device_on_its_own_device():
     assert args[0].device.type == "meta" and args[0].shape == (2, 3)
     assert kwargs == {"dtype": torch.bfloat16, "device": torch.device("meta"), "non_blocking": False}
     assert torch.ops.aten._to_copy.default(*args, **kwargs).device.type == "meta"
+
+
+def test_attention_on_the_cpu_counts_torch_s_products_with_grouped_heads_too():
+    """scaled_dot_product_attention runs the CPU's own kernels here, which torch's FLOP table leaves out: counted
+    as torch's formula for the flash kernel counts them, with grouped key/value heads broadcast."""
+    from torch.utils.flop_counter import flop_registry
+
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    kv = torch.randn(2, 2, 16, 8, requires_grad=True)
+    with Work() as w:
+        out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        out.sum().backward()
+    attention = [(k[0].name(), flops) for k, (_, flops, _) in w.calls.items() if "attention" in k[0].name()]
+    assert [name for name, _ in attention] == ["aten::_scaled_dot_product_flash_attention_for_cpu",
+                                               "aten::_scaled_dot_product_flash_attention_for_cpu_backward"]
+    whole = torch.randn(2, 4, 16, 8)  # the same products with the key/value heads repeated, by torch's formulas
+    fwd = flop_registry[torch.ops.aten._scaled_dot_product_flash_attention](whole, whole, whole, out_val=None)
+    bwd = flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward](whole, whole, whole, whole,
+                                                                                       out_val=None)
+    assert [flops for _, flops in attention] == [fwd, bwd] == [2 * 2 * 4 * 16 * 16 * 16, 2 * 2 * 4 * 16 * 16 * 40]
