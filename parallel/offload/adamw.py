@@ -264,15 +264,14 @@ class BlockAdamW:
         the finisher thread waits for the writes and gives the buffers back (`_finish_later`)."""
         streaming, tier_w = self.stream.streaming, self.stream.tier
         with self.step_stream.on():
-            reads = []
+            read = None
             if params is None and streaming:
                 params = self.pool.take()
-                reads.append(tier_w.read(b.key(), params[:b.nbytes]))
+                read = tier_w.read(b.key(), params[:b.nbytes])
             elif params is None:
                 params = b.buffer
             bufs, pooled = self.states(b)
-            for r in reads:
-                finish(r)
+            finish(read)  # (None: nothing read)
             self.step_stream.after(ready)
             gs = [s.view(grads) for s in slots]
             if coef is not None:
