@@ -195,9 +195,12 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     bar = progress_bar(t.steps, start, run.is_logger and t.progress)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
     # run; freezing it keeps the cyclic garbage collector from re-scanning it in
-    # the middle of steps.
-    gc.collect()
-    gc.freeze()
+    # the middle of steps, unless a worker has frozen its imports already (Note
+    # [the collector in a worker] in parallel/launcher.py).
+    freezing = gc.get_freeze_count() == 0
+    if freezing:
+        gc.collect()
+        gc.freeze()
     losses, window, stop = [], _Window(), None
     for step in range(start + 1, t.steps + 1):
         logging_step = step % t.log_every == 0 or step == t.steps
@@ -224,7 +227,8 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
             checkpoints.save(run, step)
         if stop := preemption.stop_here(run, checkpoints, step):  # a collective (Note [preemption])
             break
-    gc.unfreeze()  # a sweep runs several jobs in one process: let this run's objects go
+    if freezing:
+        gc.unfreeze()  # a sweep runs several jobs in one process: let this run's objects go
     profiling.close()
     bar.close()
     metrics.close()

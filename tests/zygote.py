@@ -23,7 +23,9 @@ benchmarks/export_memory.py --smoke).
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
+import inspect
 import json
 import os
 import pkgutil
@@ -68,9 +70,35 @@ def _preload_transformers() -> None:
 
 
 def preload() -> None:
-    """Import what a run imports on demand: every strategy, and the Hugging Face models the tests build."""
+    """Import what a run imports on demand: every strategy, and the Hugging Face models the tests build; then
+    leave it out of the collector's sight (Note [what a forked run costs])."""
+    global _preloaded
+    if _preloaded:
+        return
     _preload_strategies()
     _preload_transformers()
+    gc.freeze()
+    inspect.modulesbyfile.setdefault("<frozen runpy>", "runpy")
+    _preloaded = True
+
+
+_preloaded = False
+
+
+# Note [what a forked run costs]
+# A child of this process starts with ~450,000 objects imported (transformers
+# among them), twice the count a run of the command line imports; two things
+# grow with it, and each took as much time as a short run's training:
+# - the cyclic garbage collector walks them at each full collection (~0.25 s;
+#   the trainer makes one before its steps): frozen here (gc.freeze), as a worker
+#   freezes what it imported (Note [the collector in a worker] in
+#   parallel/launcher.py);
+# - inspect.getmodule, for a frame whose file is no module's, loops over every
+#   module imported, and torch's elastic agent calls inspect.stack at each step of
+#   its rendezvous (~1.5 s of the agent's time in a 2-worker run). The frames of
+#   runpy (this process runs as `python -m tests.zygote`, and the child runs the
+#   script through runpy) are such frames, absent from `python launch/train.py`:
+#   their module is told to inspect once here.
 
 
 def why_not_fork() -> str | None:
