@@ -190,6 +190,19 @@ def ahead_probe(steps: int = 6, wait_s: float = 10) -> nn.Module:
     return AheadProbe()
 
 
+def gc_probe(features: int = 32, width: int = 16, out: int = 4) -> nn.Module:
+    """two_tower, having written what the garbage collector watches in the process that builds it
+    (`gc_probe-<pid>.json` in the working directory: RANK, the objects frozen, the objects tracked)."""
+    import gc
+    import json
+    import os
+    from pathlib import Path
+
+    Path(f"gc_probe-{os.getpid()}.json").write_text(json.dumps(
+        {"rank": os.environ.get("RANK"), "frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}))
+    return TwoTower(features, width, out)
+
+
 class DiesOnce(nn.Sequential):
     """A small MLP whose rank 1 process is killed (SIGKILL) in the forward of step `die_at`, at torchrun's
     first start of the workers only: a worker lost mid-run, for the elastic restart test."""

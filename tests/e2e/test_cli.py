@@ -53,6 +53,22 @@ def test_three_launch_ways_agree(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_builds_its_run_with_its_imports_frozen(tmp_path):
+    """Note [the collector in a worker]: each worker of a command-line run (a new interpreter, as a user starts
+    it) freezes what it imported before it builds the run, so the collections of the run walk the run's
+    objects only."""
+    cli.run(cli.FAST + ["nproc=2", "strategy=data", "model=custom", "model._target_=tests.user_model.gc_probe",
+                        f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, fresh=True)
+    probes = [json.loads(p.read_text()) for p in tmp_path.glob("gc_probe-*.json")]
+    workers = sorted((p for p in probes if p["rank"] is not None), key=lambda p: p["rank"])
+    assert [p["rank"] for p in workers] == ["0", "1"], probes
+    for p in workers:
+        assert p["frozen"] > 100_000 and p["tracked"] < p["frozen"] / 10, p
+    assert all(p["frozen"] == 0 for p in probes if p["rank"] is None), probes  # the launcher's check: not a worker
+    assert cli.losses(tmp_path / "run")[-1] < cli.losses(tmp_path / "run")[0]
+
+
+@pytest.mark.timeout(120)
 def test_user_config_dir_in_instantiate_shape_trains_and_logs_lines(tmp_path):
     """A model and an optimizer of the user's own config directory, in Hydra's instantiate shape, train; with
     the console captured, the progress bar (on by default) gives way to one line per logged step."""
