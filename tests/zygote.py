@@ -86,13 +86,13 @@ _preloaded = False
 
 
 # Note [what a forked run costs]
-# A child of this process starts with ~450,000 objects imported (transformers
-# among them), twice the count a run of the command line imports; two things
-# grow with it, and each took as much time as a short run's training:
-# - the cyclic garbage collector walks them at each full collection (~0.25 s;
-#   the trainer makes one before its steps): frozen here (gc.freeze), as a worker
-#   freezes what it imported (Note [the collector in a worker] in
-#   parallel/launcher.py);
+# A child of this process starts with ~465,000 objects imported (transformers
+# among them; a run of the command line imports ~330,000); two things grow with
+# it, and each took as much time as a short run's training:
+# - the cyclic garbage collector walks them at each full collection (~0.25 s),
+#   in the child's launcher and agent as in its workers: frozen here
+#   (gc.freeze), as a worker freezes what it imported (Note [the collector in a
+#   worker] in parallel/launcher.py);
 # - inspect.getmodule, for a frame whose file is no module's, loops over every
 #   module imported, and torch's elastic agent calls inspect.stack at each step of
 #   its rendezvous (~1.5 s of the agent's time in a 2-worker run). The frames of

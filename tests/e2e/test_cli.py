@@ -64,7 +64,6 @@ def test_a_worker_builds_its_run_with_its_imports_frozen(tmp_path):
     assert [p["rank"] for p in workers] == ["0", "1"], probes
     for p in workers:
         assert p["frozen"] > 100_000 and p["tracked"] < p["frozen"] / 10, p
-    assert all(p["frozen"] == 0 for p in probes if p["rank"] is None), probes  # the launcher's check: not a worker
     assert cli.losses(tmp_path / "run")[-1] < cli.losses(tmp_path / "run")[0]
 
 
