@@ -1,6 +1,7 @@
 """The GPU table: single vs a hand-written loop, offload, a memory cap, the planner vs the allocator, compile.
 
     python benchmarks/gpu.py [--pairs 2] [--steps 10] [--rows single_vs_hand,offload,capped,planner,compile]
+                             [--prefetch 1,2,4]
     python benchmarks/gpu.py --smoke [--out PATH]   # the same rows on the CPU with tiny sizes (the test suite's)
 
 The model is `benchmarks.hf_loop.llama` (LlamaConfig: hidden 2048, 12 layers,
@@ -23,7 +24,10 @@ logs, the hand-written loop does not), one device.
                     bound: those bytes at that bandwidth (the harmonic mean of the two directions: exact when
                     half goes each way), the step if transfers overlapped neither compute nor each other;
                     and the duplex bound: both directions at once (those bytes over the sum of the two
-                    rates), the step if they overlapped each other and compute perfectly
+                    rates), the step if they overlapped each other and compute perfectly. --prefetch
+                    1,2,4: offload at each strategy.prefetch, every one in the same rounds against the same
+                    single run (the row's figure is the first value's; the others' ratios and peaks
+                    beside it): what each block read further ahead buys, and its device memory
     capped          memory.fraction midway between single's measured peak and the lower of offload's and
                     single with recomputation's (of the GPU's total): single must fail with the one-line
                     `error: out of GPU memory ...` (exit 1, no traceback), and offload with
@@ -216,6 +220,10 @@ class Bench:
         self.start = forked_proc if a.smoke else run_proc  # how a subprocess runs: (cmd, env, timeout) -> its end
 
     def overrides(self, name: str) -> list[str]:
+        if name.startswith("offload_p"):  # --prefetch beyond its first value
+            return self.common + OFFLOAD + [f"strategy.prefetch={name.removeprefix('offload_p')}"]
+        if name == "offload":
+            return self.common + OFFLOAD + [f"strategy.prefetch={self.a.prefetch[0]}"]
         return self.common + VARIANTS[name]
 
     def train(self, args: list[str]) -> tuple[subprocess.CompletedProcess, dict | None]:
@@ -352,7 +360,14 @@ def offload_row(b: Bench) -> dict:
             "step_over_bound": row["offload_step_s"] / bound if bound else None,
             "mem_peak_bytes": {"single": pairs[0]["single"]["mem_peak_bytes"] if "error" not in pairs[0] else None,
                                "offload": good[0]["mem_peak_bytes"]},
-            "target": "offload / single <= 1.3", "meets_target": row["median_ratio"] <= 1.3}
+            "target": "offload / single <= 1.3", "meets_target": row["median_ratio"] <= 1.3,
+            "prefetch": b.a.prefetch[0], "other_prefetch": {}}
+    for p in b.a.prefetch[1:]:
+        name = f"offload_p{p}"
+        other = ratio_row(paired(b, name, "single"), name, "single")
+        if "error" not in other:
+            other["mem_peak_bytes"] = next(r["mem_peak_bytes"] for r in b.records[name] if "error" not in r)
+        row["other_prefetch"][p] = other
     if not moved:
         row["note"] = "nothing moved: on the CPU the cpu tier is the device itself, so there is no transfer bound"
     return row
@@ -470,7 +485,12 @@ def describe(name: str, r: dict) -> tuple[str, list[str]]:
                  f"/step at {gb(r['copy_bytes_per_s'])}/s: bound {r['transfer_bound_s']:.4f} s (both ways at once "
                  f"{r['duplex_bound_s']:.4f} s), step / bound {over}; "
                  f"waited {r['wait_s_per_step']:.4f} s/step; peaks {gb(r['mem_peak_bytes']['single'])} / "
-                 f"{gb(r['mem_peak_bytes']['offload'])}; final loss {r['offload_loss']:.6f} / {r['single_loss']:.6f}"]
+                 f"{gb(r['mem_peak_bytes']['offload'])}; final loss {r['offload_loss']:.6f} / {r['single_loss']:.6f}; "
+                 f"strategy.prefetch={r['prefetch']}"]
+                + [f"strategy.prefetch={p}: " + (o["error"] if "error" in o else
+                   f"{o['median_ratio']:.3f} ({' '.join(f'{x:.3f}' for x in o['ratios'])}), step "
+                   f"{o[f'offload_p{p}_step_s']:.4f} s, peak {gb(o['mem_peak_bytes'])}")
+                   for p, o in r["other_prefetch"].items()]
                 + ([r["note"]] if "note" in r else []))
     if name == "capped":
         o = r["offload_checkpoint"]
@@ -520,6 +540,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--out", default=None, help=f"the JSON (default {RESULTS.relative_to(ROOT)}; --smoke: "
                                                 "gpu_smoke.json in the temp directory)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per subprocess (default 1200; --smoke 120)")
+    ap.add_argument("--prefetch", default="1", help="comma list of strategy.prefetch values for the offload row "
+                                                    "(default 1; the row's figure is the first's)")
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the device probe's subprocess
     a = ap.parse_args()
     a.pairs = a.pairs or (1 if a.smoke else 2)
@@ -527,6 +549,12 @@ def parse() -> argparse.Namespace:
     a.timeout = a.timeout or (120.0 if a.smoke else 1200.0)
     a.explicit_rows = a.rows is not None  # --smoke runs compile only when asked by name
     a.rows = [r.strip() for r in (a.rows or ",".join(ROWS)).split(",") if r.strip()]
+    try:
+        a.prefetch = [int(x) for x in a.prefetch.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--prefetch: integers >= 0, comma-separated; got {a.prefetch!r}")
+    if not a.prefetch or min(a.prefetch) < 0 or len(set(a.prefetch)) != len(a.prefetch):
+        ap.error(f"--prefetch: distinct integers >= 0, comma-separated; got {a.prefetch}")
     unknown = sorted(set(a.rows) - set(ROWS))
     if unknown:
         ap.error(f"--rows: unknown {unknown}; valid: {', '.join(ROWS)}")
@@ -543,6 +571,7 @@ def measure(b: Bench, save) -> dict:
     compiling = "compile" in want and (not b.a.smoke or b.a.explicit_rows)
     timed = [name for name, on in (("single", bool(want & {"single_vs_hand", "offload"}) or compiling),
                                    ("hand", "single_vs_hand" in want), ("offload", "offload" in want),
+                                   *((f"offload_p{p}", "offload" in want) for p in b.a.prefetch[1:]),
                                    ("compiled", compiling)) if on]
     rows, plans, warmup = {}, {}, None
     with Inline() if b.a.smoke else ThreadPoolExecutor(max_workers=2) as pool:
@@ -596,7 +625,8 @@ def main() -> None:
     log(f"device {info['device']} | torch {info['torch']} | rows {', '.join(a.rows)} | {a.pairs} round(s), "
         f"{a.steps} timed steps a run" + (" | smoke: tiny sizes on the CPU" if a.smoke else ""))
     result = {"device": info["device"], "torch": info["torch"], "smoke": a.smoke, "probe": info,
-              "config": {"pairs": a.pairs, "steps": a.steps, "rows": a.rows, "timeout_s": a.timeout}, "rows": {}}
+              "config": {"pairs": a.pairs, "steps": a.steps, "rows": a.rows, "timeout_s": a.timeout,
+                         "prefetch": a.prefetch}, "rows": {}}
 
     def save(rows: dict) -> None:
         result.update(rows=rows, wall_s=time.perf_counter() - t0)

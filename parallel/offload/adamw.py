@@ -26,7 +26,7 @@ from parallel.config import Config, OptimConfig
 from parallel.offload.layout import Block, Layout, Slot
 from parallel.offload.pool import BufferPool
 from parallel.offload.stream import WeightStream
-from parallel.offload.tiers import finish
+from parallel.offload.tiers import finish, settle
 from parallel.optim import optimizer_class, optimizer_kwargs, param_groups
 from parallel.profiling import phased
 
@@ -133,6 +133,8 @@ class BlockAdamW:
         self.last_step = None  # the block step in flight (without clipping)
         self.finisher = finisher
         self.finishing: list = []  # the steps whose writes are being waited for (`_finish_later`)
+        # (block, buffer): a block stepped first in the next forward, whose new weights stay bound for it
+        self.kept: list[tuple[Block, torch.Tensor]] = []
         self.step_stream = StepStream(device)
         # AdamW's step counters, made as torch.optim.AdamW makes them (the planner's fake tensors can read
         # a value made this way)
@@ -161,12 +163,20 @@ class BlockAdamW:
         self.norms, self.coef = {}, None
 
     def wait(self) -> None:
-        """Wait for the block step in flight, if any, and for every step's writes."""
+        """Wait for the block step in flight, if any, and for every step's writes; then the blocks stepped
+        first in the next forward are bound to their new weights (the newest, where several steps kept some)."""
         if self.last_step is not None:
             finish(self.last_step)
             self.last_step = None
         while self.finishing:
             finish(self.finishing.pop(0))
+        kept, self.kept = self.kept, []
+        for b, buf in reversed(kept):
+            if b.buffer is None:
+                b.buffer, b.pending = buf, None
+                self.stream.bind(b)
+            else:
+                b.pool.give(buf)
 
     def resident_grad_ready(self, p: nn.Parameter) -> None:
         self.norms[p] = _norm(p.grad)
@@ -197,7 +207,9 @@ class BlockAdamW:
         if self.last_step is not None:
             finish(self.last_step)  # one step being queued at a time (its writes end on the finisher thread)
         ready = self.step_stream.ready()  # after the gradients' copies and the block's backward
-        self.last_step = self.stepper.submit(self._step_block, b, slots, params, grads, None, self.hyper(), ready)
+        ahead, b.state_reads = b.state_reads, None
+        self.last_step = self.stepper.submit(self._step_block, b, slots, params, grads, None, self.hyper(), ready,
+                                             ahead)
 
     def _keep_grads(self, b: Block, grads: torch.Tensor) -> None:
         """With clipping: `b`'s gradients wait for the global norm on the optimizer tier (or the device)."""
@@ -211,8 +223,35 @@ class BlockAdamW:
             finish(w)
             self.pool.give(grads)
 
-    def states(self, b: Block) -> tuple[list[torch.Tensor], bool]:
-        """The state tensors (`keys`) of `b`: (flat buffers, whether they come from the pool)."""
+    def prefetch_states(self, b: Block) -> None:
+        """Start reading `b`'s optimizer state into pool buffers ahead of its step (Note [offload engine]):
+        without clipping, with state on a tier, and only while the pool keeps enough free buffers for a whole
+        step (gradients, state) besides."""
+        if (self.tier is None or self.clip_norm > 0 or not self.keys or not b.state_ready or b.done
+                or b.state_reads is not None or not b.trainable):
+            return
+        bufs = self.pool.take_spare(len(self.keys), reserve=2 + len(self.keys))
+        if bufs is not None:
+            b.state_reads = (bufs, [self.tier.read(b.key(kind), buf[:b.trained]) for kind, buf in zip("mv", bufs)])
+
+    def drop_states(self, b: Block) -> None:
+        """The state read ahead for a block that did not step (no gradient this step): its buffers back."""
+        if b.state_reads is not None:
+            bufs, reads = b.state_reads
+            b.state_reads = None
+            for r in reads:
+                settle(r)  # no stream of the next taker is ordered after this read
+            for buf in bufs:
+                self.pool.give(buf)
+
+    def states(self, b: Block, ahead=None) -> tuple[list[torch.Tensor], bool]:
+        """The state tensors (`keys`) of `b`: (flat buffers, whether they come from the pool). `ahead`: what
+        `prefetch_states` read, waited for here (on the step stream under a GPU)."""
+        if ahead is not None:
+            bufs, reads = ahead
+            for r in reads:
+                finish(r)
+            return bufs, True
         if self.tier is None:
             if b.index not in self.state_in_memory:
                 self.state_in_memory[b.index] = [torch.zeros(b.trained, dtype=torch.uint8, device=self.device)
@@ -258,10 +297,11 @@ class BlockAdamW:
     @torch.no_grad()
     @phased("offload optimizer step")  # in a profile (Note [profiles])
     def _step_block(self, b: Block, slots: list[Slot], params: torch.Tensor | None, grads: torch.Tensor,
-                    coef: torch.Tensor | None, hyper: list[dict], ready) -> None:
-        """The step of block `b` (weights in `params`, or read here), then everything written back. Under a GPU
-        it is queued on the step stream, the update after `ready` (`StepStream`), and returns once queued:
-        the finisher thread waits for the writes and gives the buffers back (`_finish_later`)."""
+                    coef: torch.Tensor | None, hyper: list[dict], ready, ahead=None) -> None:
+        """The step of block `b` (weights in `params`, or read here; its state as `states` gives it), then
+        everything written back. Under a GPU it is queued on the step stream, the update after `ready`
+        (`StepStream`), and returns once queued: the finisher thread waits for the writes and gives the buffers
+        back (`_finish_later`). The first block of the next forward keeps its new weights (`kept`)."""
         streaming, tier_w = self.stream.streaming, self.stream.tier
         with self.step_stream.on():
             read = None
@@ -270,7 +310,7 @@ class BlockAdamW:
                 read = tier_w.read(b.key(), params[:b.nbytes])
             elif params is None:
                 params = b.buffer
-            bufs, pooled = self.states(b)
+            bufs, pooled = self.states(b, ahead)
             finish(read)  # (None: nothing read)
             self.step_stream.after(ready)
             gs = [s.view(grads) for s in slots]
@@ -286,7 +326,11 @@ class BlockAdamW:
                 writes += [self.tier.write(b.key(kind), buf[:b.trained]) for kind, buf in zip("mv", bufs)]
                 b.state_ready = True
             done = self.step_stream.done()
-        self._finish_later(writes, done, ([params] if streaming else []) + (bufs if pooled else []) + [grads])
+        keep = streaming and b.index == b.group[0]
+        if keep:
+            self.kept.append((b, params))  # bound by `step` once every write is done
+        self._finish_later(writes, done, ([params] if streaming and not keep else []) + (bufs if pooled else [])
+                           + [grads])
 
     def _finish_later(self, writes: list, done, buffers: list[torch.Tensor]) -> None:
         """On the finisher thread: wait for `writes` and the step stream's `done` event, then give `buffers`

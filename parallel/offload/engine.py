@@ -9,9 +9,12 @@ params tier; every parameter object stays the same for the whole run, and its
 
   forward   a block's forward pre-hook binds its buffer (waiting for the read
             if needed) and starts reading the next `prefetch` blocks; its
-            forward hook unbinds it.
+            forward hook unbinds it, except for the last `prefetch + 1` blocks
+            of a training forward: backward starts with them.
   backward  a block's backward pre-hook binds it again and starts reading the
-            `prefetch` blocks before it (and their saved activations). When
+            `prefetch` blocks before it (and their saved activations), and,
+            without clipping, the optimizer state of this block and the one
+            before it (while the pool keeps a whole step's buffers free). When
             every trainable parameter of the block has its gradient
             (post-accumulate-grad hooks), the gradients leave the device:
             - without clipping (trainer.clip_grad_norm=0) the block's
@@ -21,6 +24,9 @@ params tier; every parameter object stays the same for the whole run, and its
               its gradients, the writes) and a finisher thread waits for the writes
               before its buffers go back to the pool (`StepStream` in adamw.py), so
               one block's results go out while the next block's moments come in;
+              the block stepped first in the next forward keeps its new weights
+              bound (written to its tier all the same), so that forward starts
+              without reading it;
             - with clipping, the step needs the global norm first: gradients
               go to the optimizer tier, and `OffloadOptimizer.step` streams
               every block (weights, gradients, state) through the step after
@@ -270,6 +276,8 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
     def load_checkpoint_state(self, model: dict, optim: dict) -> None:
         """Write loaded weights, buffers and optimizer state (as `checkpoint_state` gives them) to their tiers."""
         self.adamw.wait()
+        for b in self.blocks:  # a bound block's weights would be the old ones
+            self.stream.release(b)
         self.state.load(model, optim)
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import warnings
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from parallel.batchnorm import recompute_contexts
@@ -93,6 +94,7 @@ class BlockHooks:
                 self.adamw.grads_done(b)
             if b.buffer is not None and self.stream.streaming:
                 self.stream.release(b)
+            self.adamw.drop_states(b)
 
     def _prefetch(self, start: int, step: int) -> None:
         lo, hi = self.blocks[start].group
@@ -121,8 +123,13 @@ class BlockHooks:
             self._prefetch(b.index, +1)
 
     def _after_forward(self, b: Block) -> None:
-        if self.phase == "forward" or b.ahead:
+        if b.ahead or (self.phase == "forward" and not self._kept_for_backward(b)):
             self.stream.release(b)
+
+    def _kept_for_backward(self, b: Block) -> bool:
+        """Whether `b` stays bound after a training forward: the last `prefetch + 1` blocks, which backward
+        reaches first, so it starts without reading them again."""
+        return torch.is_grad_enabled() and b.index >= b.group[1] - (self.prefetch + 1)
 
     def _before_backward(self, b: Block) -> None:
         self.phase = "backward"
@@ -130,6 +137,10 @@ class BlockHooks:
         if self.acts is not None:
             self.acts.prefetch(b.index)
         self._prefetch(b.index, -1)
+        lo = max(b.group[0], self.n_frozen)
+        for j in (b.index, b.index - 1):  # this block's optimizer state, and the next one's in backward
+            if j >= lo:
+                self.adamw.prefetch_states(self.blocks[j])
 
     def _grad_ready(self, b: Block) -> None:
         b.grads_ready += 1

@@ -49,6 +49,7 @@ class Block:
     state_ready: bool = False  # AdamW state exists on the optimizer tier
     grad_slots: list[Slot] = field(default_factory=list)  # with clipping: whose gradients wait for the step
     grads_write: object = None  # the write of those gradients to the optimizer tier
+    state_reads: object = None  # (pool buffers, their reads): its optimizer state read ahead of its step
     pool: BufferPool | None = None  # where its weights are read into
     group: tuple[int, int] = (0, 0)  # the blocks [lo, hi) that prefetching stays within
     ahead: bool = False  # a frozen block run one batch ahead (Note [frozen lookahead])

@@ -31,6 +31,14 @@ class BufferPool:
                 self.cond.wait()
             return self.free.pop()
 
+    def take_spare(self, n: int, reserve: int) -> list[torch.Tensor] | None:
+        """`n` free buffers at once, or None when taking them would leave fewer than `reserve` free (what
+        reads ahead takes must not starve the step in flight)."""
+        with self.cond:
+            if len(self.free) < n + reserve:
+                return None
+            return [self.free.pop() for _ in range(n)]
+
     def give(self, buf: torch.Tensor) -> None:
         with self.cond:
             self.free.append(buf)

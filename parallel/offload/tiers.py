@@ -57,6 +57,15 @@ def finish(pending) -> None:
         pending.wait()
 
 
+def settle(pending) -> None:
+    """Wait on the host until what a tier's `read` or `write` returned is done (`finish` only orders the
+    caller's stream after a GPU copy): the buffer may then go to any stream."""
+    if isinstance(pending, _Event):
+        pending.event.synchronize()
+    else:
+        finish(pending)
+
+
 class Counters:
     """Bytes moved and time waited, shared by the tiers of one engine (thread-safe)."""
 

@@ -16,7 +16,7 @@ SCRIPT = str(cli.ROOT / "benchmarks" / "gpu.py")
 @pytest.mark.timeout(300)
 def test_smoke_fills_every_row(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = cli.run_script(SCRIPT, ["--smoke", "--out", str(out)], cwd=cli.ROOT, timeout=280)
+    proc = cli.run_script(SCRIPT, ["--smoke", "--prefetch", "1,2", "--out", str(out)], cwd=cli.ROOT, timeout=280)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["smoke"] and result["torch"] == torch.__version__ and result["device"].startswith("cpu")
@@ -32,6 +32,9 @@ def test_smoke_fills_every_row(tmp_path):
     off = rows["offload"]
     assert off["copy_bytes_per_s"] > 0 and off["bytes_moved_per_step"] >= 0 and off["transfer_bound_s"] >= 0
     assert off["mem_peak_bytes"]["offload"] > 0 and isinstance(off["meets_target"], bool)
+    other = off["other_prefetch"]["2"]  # --prefetch's second value, in the same rounds against the same single
+    assert off["prefetch"] == 1 and other["median_ratio"] > 0 and other["loss_rel_diff"] < 1e-4, off
+    assert other["mem_peak_bytes"] > off["mem_peak_bytes"]["offload"]  # 4 more pool buffers
     capped = rows["capped"]  # the out-of-memory half needs CUDA; the offload run trains uncapped on the CPU
     assert capped["fraction"] == "needs CUDA" and capped["single"] == "needs CUDA"
     assert capped["offload_checkpoint"]["trained"] and capped["offload_checkpoint"]["mem_peak_bytes"] > 0
@@ -41,7 +44,7 @@ def test_smoke_fills_every_row(tmp_path):
         assert c["predicted_bytes"] > 0 and c["measured_bytes"] > 0 and math.isfinite(c["error_pct"]), configs
     assert "skipped" in rows["compile"]  # a cold compile costs more than the whole smoke run
     for line in ("torch " + torch.__version__, "single_vs_hand", "framework / hand-written", "needs CUDA",
-                 "largest |error|"):
+                 "largest |error|", "strategy.prefetch=2: "):
         assert line in proc.stdout
 
 
@@ -51,6 +54,12 @@ def test_without_a_gpu_says_so_in_one_line(tmp_path):
     assert proc.returncode == 1 and not (tmp_path / "gpu.json").exists()
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "needs a CUDA GPU" in proc.stderr
     assert "--smoke" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["1,x", "1,1", "-1"])
+def test_a_bad_prefetch_list_is_a_usage_error(value):
+    proc = cli.run_script(SCRIPT, ["--smoke", "--prefetch", value], cwd=cli.ROOT)
+    assert proc.returncode == 2 and "--prefetch:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_smoke_never_overwrites_the_gpu_results():

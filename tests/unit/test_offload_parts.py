@@ -415,14 +415,48 @@ def test_hooks_bind_a_block_for_its_forward_and_backward_and_prefetch_the_next(t
     ahead = prefetch > 0
     assert seen == [
         ("forward", 0, True, [True, ahead]),  # bound; the next block read ahead (or not)
-        ("forward", 1, True, [False, True]),  # block 0 let go after its forward
-        ("backward", 1, True, [ahead, True]),  # bound again; the block before it read ahead (or not)
+        # block 0 let go after its forward, unless it is among the last prefetch + 1 that backward needs first
+        ("forward", 1, True, [ahead, True]),
+        ("backward", 1, True, [ahead, True]),  # bound still or again; the block before it read ahead (or not)
         ("backward", 0, True, [True, False]),  # block 1's gradients handed off and its weights let go
     ]
     engine.adamw.wait()
+    # block 0, the next forward's first, stays bound to its new weights (not read back); block 1 is let go
+    assert [b.buffer is not None for b in engine.blocks] == [True, False]
+    assert len(engine.pool.free) == engine.pool.capacity - 1
+    assert model.blocks[0].fc.weight.numel() > 0 and all(p.numel() == 0 for p in model.blocks[1].parameters())
+    engine.evaluate(x, y)  # evaluation lets every block go after its forward
     assert all(b.buffer is None for b in engine.blocks) and len(engine.pool.free) == engine.pool.capacity
     assert all(p.numel() == 0 for m in model.blocks for p in m.parameters())
     assert model.head.weight.numel() == 4  # resident: always there
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_backward_reads_a_blocks_optimizer_state_ahead_of_its_step(tmp_path, engines, clip):
+    """Without clipping, a block's optimizer state is read when backward reaches it or the block after it, so
+    its step finds it there (the first step has none to read; with clipping the step comes after backward);
+    the numbers stay the plain loop's (the test below). State read for a block that then gets no gradient
+    goes back to the pool at the end of the step."""
+    model = on_meta(TwoBlocks)
+    engine = engines(model, ["blocks.0", "blocks.1"], offload_config(tmp_path, clip=clip))
+    seen = []
+    for i, m in enumerate(model.blocks):  # after the engine's own pre-hook
+        m.register_full_backward_pre_hook(
+            lambda *_, i=i: seen.append((i, [b.state_reads is not None for b in engine.blocks])))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    for _ in range(2):
+        engine.forward_backward(x, y)
+        engine.clip(clip)
+        engine.adamw.optimizer.step()
+    ahead = not clip
+    assert seen == [(1, [False, False]), (0, [False, False]), (1, [ahead, ahead]), (0, [ahead, False])]
+    assert all(b.state_reads is None for b in engine.blocks)
+    b = engine.blocks[0]
+    engine.hooks.start_step()
+    engine.adamw.prefetch_states(b)
+    assert (b.state_reads is not None) == ahead
+    engine.hooks.end_step()  # a step in which block 0 got no gradient
+    assert b.state_reads is None and len(engine.pool.free) == engine.pool.capacity
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
@@ -461,7 +495,14 @@ def test_engine_steps_equal_a_plain_loop(tmp_path, engines, clip):
     got = engine.full_state_dict()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got[n], p.detach(), rtol=0, atol=0, msg=n)
-    assert len(engine.pool.free) == engine.pool.capacity  # every buffer back after the step
+    # block 0, the next forward's first, stays bound to its new weights; every other buffer is back
+    assert [b.buffer is not None for b in engine.blocks] == [True, False]
+    assert len(engine.pool.free) == engine.pool.capacity - 1
+    engine.stream.release(engine.blocks[0])  # what its tier holds is the same
+    got = engine.full_state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.detach(), rtol=0, atol=0, msg=n)
+    assert len(engine.pool.free) == engine.pool.capacity
 
 
 # ---- the optimizer step -------------------------------------------------------------------------------------
@@ -564,4 +605,7 @@ def test_a_step_writes_back_only_the_trainable_range(tmp_path, engines):
     after = file.read_bytes()
     assert after[b.trained:] == marker and after[:b.trained] != before and len(after) == b.nbytes
     read, written, _ = engine.counters["params"].take()
-    assert written == b.trained and read == b.nbytes  # the last ensure read the whole block back
+    # the block, first in the next forward, stays bound to its new weights: nothing read back; what it is
+    # bound to is what was written
+    assert written == b.trained and read == 0
+    assert bytes(b.buffer[:b.trained].numpy()) == after[:b.trained]
