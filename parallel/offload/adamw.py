@@ -328,7 +328,7 @@ class BlockAdamW:
             done = self.step_stream.done()
         keep = streaming and b.index == b.group[0]
         if keep:
-            self.kept.append((b, params))  # bound by `step` once every write is done
+            self.kept.append((b, params))  # bound by `wait` once every write is done
         self._finish_later(writes, done, ([params] if streaming and not keep else []) + (bufs if pooled else [])
                            + [grads])
 

@@ -3,10 +3,12 @@
 
     forward   a block's forward pre-hook binds its weights (waiting for the
               read if needed) and starts reading the next `prefetch` blocks;
-              its forward hook lets them go.
+              its forward hook lets them go (in training, not the last
+              `prefetch + 1`: backward starts with them).
     backward  a block's backward pre-hook binds it again and starts reading the
-              `prefetch` blocks before it (and their saved activations); once
-              every trainable parameter of the block has its gradient
+              `prefetch` blocks before it (and their saved activations) and
+              the optimizer state of it and the block before it; once every
+              trainable parameter of the block has its gradient
               (post-accumulate-grad hooks) the gradients are handed to the step.
 
 Prefetching stays within a block's group: the frozen blocks run ahead
