@@ -12,6 +12,12 @@ Two cases, each run without offload (`strategy=single`) and with it
   activations  a narrower MLP on a large batch, whose saved activations dwarf
                its weights; activations on disk as well.
 
+Both runs take `model.init=name`, the initialization for a model larger than
+host memory (docs/models.md#initialization): under the default,
+`model.init=module`, the process builds the whole model once at start to write
+its initial weights, and that, not the training, would be the offload run's
+peak RSS.
+
 The disk bandwidth is measured in the same run (a file as large as the bytes
 a step moves, written then read back, through the page cache as the engine's
 files are), and the I/O bound of a step is the bytes it moves at that
@@ -47,7 +53,7 @@ CASES = {
 
 
 def run(args: list[str], steps: int, run_dir: Path) -> dict:
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *args, f"trainer.steps={steps}",
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *args, "model.init=name", f"trainer.steps={steps}",
            f"trainer.log_every={steps}", "trainer.progress=false", f"run_dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
