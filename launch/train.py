@@ -32,6 +32,8 @@ from parallel.launcher import (  # noqa: E402
     under_torchrun,
     worker,
 )
+from parallel.models.build import build_meta_model  # noqa: E402
+from parallel.models.weights import check_init_memory  # noqa: E402
 from parallel.validate import to_config, validate  # noqa: E402
 
 
@@ -46,6 +48,7 @@ def main(dcfg: DictConfig) -> None:
     world = check_world_size(cfg.nproc, started_by)
     check_gpus(cfg.trainer.device, local_processes(world, started_by), started_by)  # a GPU for each process
     validate(cfg, world)
+    check_init_memory(cfg.model, build_meta_model(cfg.model))  # this host's memory: a run's check, not a plan's
     # Workers get the validated config with derived values filled in (degrees, microbatches).
     cfg_dict = to_dict(cfg)
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir

@@ -43,3 +43,16 @@ def steady_host_allocations() -> bool:
     """A worker's allocations kept as a long-lived process keeps them (Note [host allocations]); False where there
     is no glibc."""
     return set_mmap_threshold(STEADY_MMAP_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory the host can give a new allocation without swapping (Linux's MemAvailable); None where
+    it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

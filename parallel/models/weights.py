@@ -15,8 +15,10 @@ from parallel.init import InitPlan, init_plan
 from parallel.init.by_name import name_seed
 from parallel.init.files import WeightFileError, WeightFiles, save_weights
 from parallel.init.values import ByName, ConstructedBuffers, FromFiles, Values
+from parallel.memory.host import available_host_memory
 from parallel.models.build import build_model, pretrained_dir, weights_path
 from parallel.models.lora import add_adapters, base_name
+from parallel.units import human_bytes
 
 SHOWN = 8  # names listed per kind of problem; the rest are counted
 log = logging.getLogger("parallel")
@@ -120,6 +122,22 @@ def check_weights(m: ModelConfig, model: nn.Module) -> None:
     for what, names in ((f"lack; {kept} for", missing), ("hold, ignored:", unexpected)):
         if names:
             log.warning("the weights %s %s %d tensors (%s)", weights, what, len(names), _listed(names))
+
+
+def check_init_memory(m: ModelConfig, model: nn.Module, available: int | None = None) -> None:
+    """Under model.init=module without weight files, rank 0 builds the whole model on the CPU at start
+    (`write_own_weights`): a config error where its tensors alone exceed the memory this host has available
+    (`available`, default MemAvailable), which would end the run at start, killed by the system."""
+    if m.init == "name" or weights_path(m) is not None:
+        return
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()  # `model` on meta
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    available = available_host_memory() if available is None else available
+    if available is not None and need > available:
+        fail("model.init", m.init, f"builds the whole model once in host memory at start, {human_bytes(need)} of "
+             f"tensors, and this host has {human_bytes(available)} available",
+             "model.init=name: every tensor computed and kept a piece at a time, never the whole model "
+             "(docs/models.md#initialization)")
 
 
 def _listed(names: list[str]) -> str:

@@ -301,3 +301,16 @@ def test_every_row_of_the_validation_table_fails_cleanly_from_the_command_line(o
     assert err.startswith(f"config error: {key}"), err
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_model_too_large_to_build_whole_on_this_host_is_one_line(tmp_path):
+    """model.init=module (the default) builds the whole model once on the host at start: a 1.3 TB MLP there is
+    one config line naming model.init=name, exit status 2, before any worker starts."""
+    proc = cli.run(["model.args.hidden=400000", "model.args.depth=2", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path,
+                   check=False)
+    assert proc.returncode == 2, proc.stderr
+    (only,) = proc.stderr.splitlines()
+    assert only.startswith("config error: model.init='module': builds the whole model once in host memory at "
+                           "start, 1.3 TB of tensors, and this host has "), only
+    assert "model.init=name" in only and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -270,3 +270,20 @@ def test_a_factorys_hf_model_trains_without_its_cache(factory):
     validate(cfg, 2)
     model = build_meta_model(cfg.model)
     assert model.config.use_cache is False and model.training
+
+
+def test_a_model_built_whole_at_start_must_fit_the_hosts_available_memory(tmp_path):
+    """model.init=module builds the whole model on rank 0's host once: where its tensors alone exceed the memory
+    available there, a config error names the figures and model.init=name, before any worker starts."""
+    from parallel.models.weights import check_init_memory
+
+    m = ModelConfig(name="mlp", args={"hidden": 512, "depth": 6})
+    model = build_meta_model(m)
+    need = sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(ConfigError, match=r"model.init='module': builds the whole model once in host memory at "
+                                          rf"start, {need / 1e6:.1f} MB of tensors, and this host has 1.0 MB "
+                                          r"available .*model.init=name"):
+        check_init_memory(m, model, available=1_000_000)
+    check_init_memory(m, model, available=need)  # fits exactly
+    check_init_memory(ModelConfig(name="mlp", args=m.args, init="name"), model, available=1)  # never whole
+    check_init_memory(m, model)  # this host's own figure: a 6.3 MB MLP fits
