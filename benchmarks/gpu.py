@@ -221,10 +221,8 @@ class Bench:
 
     def overrides(self, name: str) -> list[str]:
         if name.startswith("offload_p"):  # --prefetch beyond its first value
-            return self.common + OFFLOAD + [f"strategy.prefetch={name.removeprefix('offload_p')}"]
-        if name == "offload":
-            return self.common + OFFLOAD + [f"strategy.prefetch={self.a.prefetch[0]}"]
-        return self.common + VARIANTS[name]
+            return self.common + VARIANTS["offload"] + [f"strategy.prefetch={name.removeprefix('offload_p')}"]
+        return self.common + VARIANTS[name] + ([f"strategy.prefetch={self.a.prefetch[0]}"] if name == "offload" else [])
 
     def train(self, args: list[str]) -> tuple[subprocess.CompletedProcess, dict | None]:
         """One launch/train.py run of --steps + 2 steps: the process and its last metrics record (None if none)."""
