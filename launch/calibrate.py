@@ -5,8 +5,9 @@ parallel/calibration.py).
 
 Starts N processes at once, as a run of N workers does (N: the GPUs under CUDA, else 1), measures matrix
 products by size, memory-bound ops, reference training steps, and every collective kind on every group size
-dividing N; then (N > 1) runs the framework itself on N workers twice (data zero 0 and 3) to fit what
-collectives cost inside a step (runs=false: not, ~30 s less; collectives are then priced as measured alone);
+dividing N; then (N > 1) runs the framework itself on N workers (data zero 0 and 3, model, pipeline) to fit
+what collectives and sends cost inside a step (runs=false: not, ~35 s less; they are then priced as measured
+alone);
 writes calibration.json. Use it with `plan.calibration=PATH` in launch/plan.py and with
 strategy=auto; made on one node of a cluster, it prices plans for that cluster.
 """
@@ -24,7 +25,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from parallel.calibration import HOOKED_KINDS, calibrate, nnls  # noqa: E402
+from parallel.calibration import HOOKED_KINDS, nnls  # noqa: E402
+from parallel.calibration_runs import calibrate  # noqa: E402
 from parallel.config import ConfigError, RunError  # noqa: E402
 from parallel.cost import describe  # noqa: E402
 from parallel.entry import reported  # noqa: E402
@@ -64,8 +66,9 @@ def parse(argv: list[str]) -> dict:
 
 
 # The framework's own runs the collectives in a step are fitted to (Note [calibration]).
-REFERENCE_RUNS = (["strategy=data", "strategy.zero=0"], ["strategy=data", "strategy.zero=3"])
-REFERENCE_MODEL = ["model.args.hidden=512", "model.args.depth=6", "trainer.steps=24", "trainer.log_every=6",
+REFERENCE_RUNS = (["strategy=data", "strategy.zero=0"], ["strategy=data", "strategy.zero=3"], ["strategy=model"],
+                  ["strategy=pipeline", "strategy.microbatches=8"])
+REFERENCE_MODEL = ["model.args.hidden=512", "model.args.depth=6", "trainer.steps=18", "trainer.log_every=6",
                    "trainer.progress=false"]
 
 
@@ -77,34 +80,58 @@ def _script(name: str, args: list[str]) -> None:
                        f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
+def _planned(overrides: list[str], nproc: int, cal):
+    """The reference run's plans and their predicted step time, priced with `cal`, planned in this process (as
+    launch/plan.py would with plan.calibration; a plan a process makes costs a second of imports less here).
+
+    Raises:
+        ConfigError: a configuration this world size cannot take.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from parallel.cost import replay_for, step_times
+    from parallel.planner import plan
+    from parallel.validate import to_config, validate
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        cfg = to_config(compose("config", overrides=overrides))
+    validate(cfg, nproc)
+    plans = plan(cfg, nproc)
+    return plans, step_times(cfg, plans, cal, nproc, replay=replay_for(cfg, cal, nproc))
+
+
 def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
-    """Run REFERENCE_RUNS on `nproc` workers, plan each priced with `cal`, and fit cal.comm_scale and cal.call_s
-    to their measured step times (Note [calibration]); one line per run: measured, predicted before the fit."""
+    """Run REFERENCE_RUNS on `nproc` workers (those this world size can take), plan each priced with `cal`, and
+    fit cal.comm_scale, cal.call_s and cal.sync_s to their measured step times (Note [calibration]); one line
+    per run: measured, predicted before the fit."""
     rows, target, lines = [], [], []
     device = ["trainer.device=cuda" if cuda else "trainer.device=cpu"]
     with tempfile.TemporaryDirectory(prefix="calibrate-runs-") as tmp:
-        rates = os.path.join(tmp, "calibration.json")
-        cal.write(rates)
         for i, strategy in enumerate(REFERENCE_RUNS):
             common = [*strategy, *REFERENCE_MODEL, *device, f"trainer.batch_size={64 * nproc}"]
-            run, planned = os.path.join(tmp, f"run{i}"), os.path.join(tmp, f"plan{i}")
+            try:
+                plans, t = _planned(common, nproc, cal)
+            except ConfigError as e:
+                lines.append(f"{' '.join(strategy)}: left out ({e})")
+                continue
+            run = os.path.join(tmp, f"run{i}")
             _script("train.py", [*common, f"nproc={nproc}", f"run_dir={run}"])
-            _script("plan.py", [*common, f"world_size={nproc}", f"plan.calibration={rates}", f"run_dir={planned}"])
             with open(os.path.join(run, "metrics.jsonl")) as f:
                 times = [r["step_time_s"] for r in map(json.loads, f) if "step_time_s" in r and r["step"] > 6]
             measured = sum(times) / len(times)
-            with open(os.path.join(planned, "plan.json")) as f:
-                record = json.load(f)
-            t = record["step_time"]["predicted_s"]
-            calls = max(sum(c for k, (c, _) in r["work"]["comm"].items() if k.split("/")[0] in HOOKED_KINDS)
-                        for r in record["ranks"])
-            rows.append([t["comm"], calls])
-            target.append(measured - t["compute"])
+            comm = max((p.work["comm"] for p in plans), key=lambda c: sum(n for n, _ in c.values()))
+            hooked = sum(n for k, (n, _) in comm.items() if k.split("/")[0] in HOOKED_KINDS)
+            other = sum(n for k, (n, _) in comm.items() if k.split("/")[0] not in HOOKED_KINDS)
+            rows.append([t["comm"], hooked, other])
+            target.append(measured - (t["step"] - t["comm"]))
             lines.append(f"{' '.join(strategy)}: measured {measured * 1e3:.1f} ms, predicted {t['step'] * 1e3:.1f} "
-                         f"(compute {t['compute'] * 1e3:.1f}, comm {t['comm'] * 1e3:.1f}, {calls} all-gathers and reduce-scatters)")
+                         f"(compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, comm "
+                         f"{t['comm'] * 1e3:.1f}; {hooked} all-gathers and reduce-scatters, {other} other "
+                         f"collectives and sends)")
     # relative errors: each run's excess weighed alike
-    cal.comm_scale, cal.call_s = nnls([[a / y, b / y] for (a, b), y in zip(rows, target)], [1.0] * len(rows)) \
-        if all(y > 0 for y in target) else (1.0, 0.0)
+    cal.comm_scale, cal.call_s, cal.sync_s = \
+        nnls([[a / y, b / y, c / y] for (a, b, c), y in zip(rows, target)], [1.0] * len(rows)) \
+        if rows and all(y > 0 for y in target) else (1.0, 0.0, 0.0)
     return lines
 
 
@@ -119,12 +146,13 @@ def main() -> None:
     t0 = time.perf_counter()
     cal = calibrate(options["nproc"], options["cuda"])
     if options["nproc"] > 1 and options["runs"]:
-        print(f"calibrate: the framework's own runs on {options['nproc']} workers (data zero 0 and 3) ...",
-              flush=True)
+        print(f"calibrate: the framework's own runs on {options['nproc']} workers (data zero 0 and 3, model, "
+              f"pipeline) ...", flush=True)
         for line in fit_to_runs(cal, options["nproc"], options["cuda"]):
             print(f"calibrate: {line}")
         print(f"calibrate: collectives in a step: x {cal.comm_scale:.2f} their measured time, + "
-              f"{cal.call_s * 1e3:.2f} ms an all-gather or reduce-scatter")
+              f"{cal.call_s * 1e3:.2f} ms an all-gather or reduce-scatter, + {cal.sync_s * 1e3:.2f} ms any other "
+              f"call or send")
     cal.write(options["out"])
     print(f"calibrate: {describe(cal)}")
     print(f"written: {options['out']} ({time.perf_counter() - t0:.0f} s)")

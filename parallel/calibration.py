@@ -3,9 +3,10 @@
 # Note [calibration]
 parallel.cost prices a planned step's work (Note [step work]) with rates
 measured on the machine that will run it. `python launch/calibrate.py
-nproc=W` starts W processes, as a run of W workers does (each with the
-threads a worker gets, parallel.hardware.worker_threads, all on the cores at
-once, so the cores they share are in every figure), and each measures:
+nproc=W` (parallel.calibration_runs) starts W processes, as a run of W
+workers does (each with the threads a worker gets,
+parallel.hardware.worker_threads, all on the cores at once, so the cores
+they share are in every figure), and each measures:
 
     products   FLOP/s of square matrix products of each size class, 16 up
                to 1024 on a CPU (4096 on a GPU); a larger class takes the
@@ -18,43 +19,65 @@ once, so the cores they share are in every figure), and each measures:
                work: products_scale, memory_scale (what ops cost in a step
                beyond what they cost alone: caches, new allocations,
                GELU's arithmetic), op_s (per op) and step_s (per step) fitted
-               to them, least squares of the relative error, non-negative
+               to them, least squares of the relative error, non-negative;
+               and on a CPU the replay scale: each step's op calls timed one
+               by one (parallel.replay, every process replaying while the
+               others do, as they timed their steps together), their sum
+               fitted to the steps' time less step_s (a call repeated alone
+               finds its operands in the caches: the steps took 1.2-2.4x
+               their calls here)
+    dtensor    what DTensor's own dispatch adds to an op (sharding
+               propagation, unwrapping, wrapping): a few small ops on
+               sharded DTensors less the same ops on their local tensors
+               (dtensor_op_s)
     comm       for each collective kind (all-reduce, all-gather,
                reduce-scatter, all-to-all, broadcast, send) and each group
                size dividing W: the time of one call at 4 KiB ... 16 MiB,
                fitted as latency + bytes / bandwidth (least squares of the
                relative error over the sizes, each the median of its
-               repeats); gloo on a CPU, NCCL on GPUs
+               repeats, the mean over the ranks; a send's, its receivers');
+               gloo on a CPU, NCCL on GPUs. On a CPU each call follows a
+               short computation, as in a step, not a barrier: the
+               backend's threads then wake on cores the computation
+               holds, and the peers arrive a little apart
 
-    in a step  two runs of the framework itself on W workers (the built-in
-               MLP, hidden 512, depth 6, 64 samples a worker, data zero 0
-               and zero 3) against their plans priced with the rates above:
-               their excess over the predicted compute is fitted as
-               comm_scale x the predicted collectives + call_s x the
-               all-gathers and reduce-scatters (the calls FSDP2 issues
-               asynchronously from its hooks), least squares, non-negative.
-               On a CPU the workers' threads take every core, and a
-               collective's own thread waits for one.
+    in a step  runs of the framework itself on W workers (the built-in
+               MLP, hidden 512, depth 6, 64 samples a worker: data zero 0,
+               zero 3, model, pipeline of 8 microbatches; those the world
+               size cannot take are left out) against their plans priced
+               with the rates above: their excess over the predicted
+               compute and bubble is fitted as comm_scale x the predicted
+               collectives + call_s x the all-gathers and reduce-scatters
+               (the calls FSDP2 issues asynchronously from its hooks) +
+               sync_s x every other collective call and send (waited at
+               once, with a schedule's work around a pipeline's), least
+               squares of the relative error, non-negative. On a CPU the
+               workers' threads take every core, and a collective's own
+               thread waits for one.
 
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
 that differs is told which (parallel.cost.load). Without a file, strategy=auto
 and launch/plan.py measure the process they run in (`quick`): products and
 memory-bound ops on the threads a worker will have, op_s and step_s from a
-tiny step (its ops do almost no work), scaled by how many workers share each
-core, and the loopback bandwidth for every collective (no latency). On the
+tiny step (its ops do almost no work), DTensor's dispatch, scaled by how
+many workers share each core, and the loopback bandwidth for every collective
+(no latency, no time per call). Its replay scale stays 1: fitted to three
+small reference steps (mlp 64x8 at batch 16, 256x4 at 64, transformer 64x2)
+it came out 1.71-1.84 here, where the eight of launch/calibrate.py gave
+1.18-1.37: small steps are more than their calls by their Python and
+autograd's bookkeeping, which the scale would then charge every call of a
+large step. On the
 machine that runs it, parallel.cost times the plan's own op calls instead of
 pricing them by class (Note [cost model]).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
 import socket
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,6 +88,7 @@ from torch import nn
 from parallel.flops import Flops  # the per-op count the planner makes
 from parallel.hardware import worker_threads
 from parallel.plan_work import MEMORY_SIZES, SIZES, Work
+from parallel.replay import PROBE, Replay, probe_seconds
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
 COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20)
@@ -85,16 +109,24 @@ class Calibration:
     memory: dict[str, float] = field(default_factory=dict)  # byte class -> seconds per byte
     op_s: float = 0.0
     step_s: float = 0.0
+    dtensor_op_s: float = 0.0  # what DTensor's dispatch adds to an op on DTensors (measure_dtensor_op)
     # Multipliers of the products' and memory-bound ops' microbenchmark times, fitted with op_s and step_s to
     # whole training steps (Note [calibration]): what ops cost in a step beyond what they cost alone.
     products_scale: float = 1.0
     memory_scale: float = 1.0
     fit_error: float = 0.0  # the fit's largest relative error over the reference steps
+    # The multiplier of a step's op calls timed one by one (parallel.replay, what prices a step on the machine
+    # that measured them), fitted to the same reference steps (Note [calibration]): a step's operands are not in
+    # the caches the way a call repeated alone finds them.
+    replay_scale: float = 1.0
     # Collectives inside a training step, fitted to the framework's own runs (launch/calibrate.py, Note
     # [calibration]): a factor on their measured time (the workers' threads take the cores the collectives'
     # own threads need) and a time per all-gather and reduce-scatter (FSDP2's: async hand-offs, its hooks).
     comm_scale: float = 1.0
     call_s: float = 0.0
+    # A time per call of every other collective and per send (waited at once: tensor parallelism's
+    # all-reduces, a pipeline's sends, each with its schedule's work around it), fitted with them.
+    sync_s: float = 0.0
     comm: dict[str, list[float]] = field(default_factory=dict)  # "kind/group size" -> [latency s, bytes/s]
     made: str = ""  # how: "launch/calibrate.py" (with the date and host), or "measured at start"
     host: str = field(default_factory=platform.node)  # the machine measured
@@ -127,8 +159,8 @@ class Calibration:
             return 0.0
         key = min(fits, key=lambda k: (abs(int(k.split("/")[1]) - group), -int(k.split("/")[1])))
         latency, bandwidth = fits[key]
-        hooked = calls if kind in HOOKED_KINDS else 0
-        return (calls * latency + nbytes / bandwidth) * self.comm_scale + hooked * self.call_s
+        per_call = self.call_s if kind in HOOKED_KINDS else self.sync_s
+        return (calls * latency + nbytes / bandwidth) * self.comm_scale + calls * per_call
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
@@ -221,6 +253,44 @@ def measure_ops(device: torch.device, seconds: float = 0.1, least: int = 3, roun
     return per_op, max(times[1] - per_op * ops[1], 0.0)
 
 
+def measure_dtensor_op(device: torch.device, seconds: float = 0.05) -> float:
+    """Seconds DTensor's own dispatch (sharding propagation, unwrapping and wrapping) adds to an op: a few
+    ops a tensor-parallel step makes (an elementwise product, an addition, a matrix product, a sum) on
+    sharded DTensors of 16 x 16, less the same ops on their local tensors. Over a mesh of every rank of the
+    process group when one is initialized (every rank must call it), else of this process alone (a fake
+    group, taken down after)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    own = not dist.is_initialized()
+    if own:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        world = dist.get_world_size()
+        x = distribute_tensor(torch.ones(16 * world, 16, device=device), mesh, [Shard(0)])
+        y = distribute_tensor(torch.ones(16 * world, 16, device=device), mesh, [Shard(0)])
+        w = distribute_tensor(torch.ones(16, 16, device=device), mesh, [Replicate()])
+
+        def ops(a, b, m) -> None:
+            (a * b + a).mm(m).sum(dim=1)
+
+        # alternating, the fastest batch of each (as measure_ops: a slow stretch then slows both or neither)
+        lx, ly, lw = x.to_local(), y.to_local(), w.to_local()
+        best = {"distributed": float("inf"), "local": float("inf")}
+        for _ in range(5):
+            best["distributed"] = min(best["distributed"], _timed(lambda: ops(x, y, w), device, seconds / 5,
+                                                                  batches=1))
+            best["local"] = min(best["local"], _timed(lambda: ops(lx, ly, lw), device, seconds / 5, batches=1))
+        return max(best["distributed"] - best["local"], 0.0) / 4
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 def _reference(kind: str, width: int, depth: int, batch: int, device: torch.device):
     """A reference training step (forward, backward, clipping, AdamW, gradient reset) of a plain torch model:
     an MLP (matrix products, GELU) or a small pre-norm transformer (attention, layer norms, softmax)."""
@@ -253,15 +323,24 @@ REFERENCES = (("mlp", 16, 2, 4), ("mlp", 64, 8, 16), ("mlp", 256, 4, 64), ("mlp"
               ("mlp", 512, 2, 512), ("mlp", 1024, 2, 32), ("transformer", 64, 2, 8), ("transformer", 128, 2, 16))
 
 
-def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3) -> list[tuple[dict, float]]:
-    """(the work of one step, Note [step work]; its measured seconds) for each reference step."""
+def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3,
+                  products: dict[str, float] | None = None, together=lambda: None) -> list[tuple[dict, float, dict]]:
+    """(the work of one step, Note [step work]; its measured seconds; its op calls timed one by one,
+    parallel.replay: {"products", "memory"} seconds) for each reference step. `products`: the rates just
+    measured, which the replay's probe is held to (parallel.replay.Replay). `together`: called before each
+    step is timed and before it is replayed (launch/calibrate.py's processes: a barrier, so that each times
+    its steps while the others time theirs, as a run's workers step together, and replays while they do)."""
     out = []
+    replay = Replay(device, probe_s=probe_seconds(products[str(PROBE)]) if products else None)
     for ref in references:
         step = _reference(*ref, device)
         step()
         with Work() as work:
             step()
-        out.append((work.as_dict(), _timed(step, device, seconds, least=3, batches=3)))
+        together()
+        measured = _timed(step, device, seconds, least=3, batches=3)
+        together()
+        out.append((work.as_dict(), measured, replay.price(work.calls, None)))
     return out
 
 
@@ -285,11 +364,12 @@ def nnls(rows: list[list[float]], target: list[float]) -> list[float]:
     return best
 
 
-def fit_steps(cal: "Calibration", samples: list[tuple[dict, float]]) -> None:
+def fit_steps(cal: "Calibration", samples: list[tuple[dict, float, dict]]) -> None:
     """Fit cal's products_scale, memory_scale, op_s and step_s to whole steps (relative errors, least squares,
-    all non-negative); the microbenchmarks' rates stay as measured."""
+    all non-negative), then its replay scale to what the steps take beyond step_s; the microbenchmarks'
+    rates stay as measured."""
     rows, target = [], []
-    for work, seconds in samples:
+    for work, seconds, _ in samples:
         p = sum(f / cal.product_rate(int(s)) for s, (_, f) in work["products"].items())
         m = sum(b * cal.memory_time(int(s)) for s, (_, b) in work["memory"].items())
         rows.append([p / seconds, m / seconds, work["ops"] / seconds, 1 / seconds])
@@ -297,71 +377,26 @@ def fit_steps(cal: "Calibration", samples: list[tuple[dict, float]]) -> None:
     cal.products_scale, cal.memory_scale, cal.op_s, cal.step_s = nnls(rows, target)
     cal.fit_error = max(abs(sum(c * x for c, x in zip((cal.products_scale, cal.memory_scale, cal.op_s, cal.step_s),
                                                        r)) - 1) for r in rows)
+    if cal.kind == "cpu":  # on a GPU the reference steps are a few kernel launches each: not fitted there
+        fit_replay(cal, samples)
 
 
-def _fit(points: list[tuple[int, float]]) -> list[float]:
-    """[latency s, bytes/s] of t = latency + bytes / bandwidth over (bytes, seconds) points, by least squares of
-    the relative error (a small call's latency counts as much as a large one's bandwidth), both >= 0."""
-    latency, per_byte = nnls([[1 / t, n / t] for n, t in points], [1.0] * len(points))
-    return [latency, 1.0 / max(per_byte, 1e-15)]
+def fit_replay(cal: "Calibration", samples: list[tuple[dict, float, dict]]) -> None:
+    """cal.replay_scale: x the step's op calls timed one by one = its time less step_s, least squares of the
+    relative error over the steps; left at 1 where no step took longer than step_s. One factor for products
+    and other calls alike: two, fitted to eight steps whose products and other calls grow together, came out
+    1.0-1.6 (products) and 0.6-2.0 (other calls) over eight calibrations made here within an hour."""
+    usable = [(seconds - cal.step_s, timed["products"] + timed["memory"]) for _, seconds, timed in samples
+              if seconds > cal.step_s and timed["products"] + timed["memory"] > 0]
+    if usable:  # minimizes sum (scale x r - 1)^2 over r = timed / t
+        ratios = [timed / t for t, timed in usable]
+        cal.replay_scale = sum(ratios) / sum(r * r for r in ratios)
 
 
-def measure_comm(rank: int, world: int, device: torch.device, repeats: int = 5) -> dict[str, list[float]]:
-    """Every collective kind on groups of each size dividing `world` (consecutive ranks), fitted per kind and
-    size (Note [calibration]); called by every rank of an initialized process group, rank 0's result is
-    the one kept (all ranks take part in every call)."""
+def _group_up() -> bool:
     import torch.distributed as dist
 
-    out = {}
-    for size in (s for s in range(2, world + 1) if world % s == 0):
-        groups = [dist.new_group(list(range(g, g + size))) for g in range(0, world, size)]
-        group = groups[rank // size]
-        me = rank % size
-        points: dict[str, list[tuple[int, float]]] = {k: [] for k in COMM_KINDS}
-        for nbytes in COMM_SIZES:
-            n = nbytes // 4
-            x = torch.ones(n, device=device)
-            gathered = torch.empty(n * size, device=device)
-            scattered = torch.empty(max(1, n // size), device=device)
-            calls = {
-                "allreduce": lambda: dist.all_reduce(x, group=group),
-                "allgather": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
-                "reducescatter": lambda: dist.reduce_scatter_tensor(scattered, x[:scattered.numel() * size],
-                                                                    group=group),
-                "alltoall": lambda: dist.all_to_all_single(torch.empty_like(x[:n - n % size]),
-                                                           x[:n - n % size], group=group),
-                "broadcast": lambda: dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group),
-                "send": lambda: _send_pair(x, me, group),
-            }
-            for kind in COMM_KINDS:
-                dist.barrier()
-                samples = []
-                for _ in range(repeats + 1):
-                    dist.barrier(group=group)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    t0 = time.perf_counter()
-                    calls[kind]()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    samples.append(time.perf_counter() - t0)
-                points[kind].append((nbytes, statistics.median(samples[1:])))
-        for kind, pts in points.items():
-            out[f"{kind}/{size}"] = _fit(pts)
-    return out
-
-
-def _send_pair(x: torch.Tensor, me: int, group) -> None:
-    """Rank 2i sends to 2i+1 in the group (a pipeline's hop); the time is the receiver's."""
-    import torch.distributed as dist
-
-    peer = me + 1 if me % 2 == 0 else me - 1
-    if peer >= group.size():
-        return
-    if me % 2 == 0:
-        dist.send(x, group_dst=peer, group=group)
-    else:
-        dist.recv(x, group_src=peer, group=group)
+    return dist.is_available() and dist.is_initialized()
 
 
 def quick(world: int, device: torch.device | None = None) -> Calibration:
@@ -381,8 +416,10 @@ def quick(world: int, device: torch.device | None = None) -> Calibration:
                           # large products and copies would be priced at the launch cost of small ones.
                           cores=cores(), products=measure_products(device, seconds=0.01, top=None if cuda else 512),
                           memory=measure_memory(device, seconds=0.005, top=MEMORY_SIZES[-1] if cuda else 16 << 20),
-                          op_s=per_op,
-                          step_s=per_step, made="measured at start (one process)")
+                          op_s=per_op, step_s=per_step,
+                          # in a process of a group (not where plans are made), left out: it would need the group
+                          dtensor_op_s=0.0 if _group_up() else measure_dtensor_op(device, seconds=0.01),
+                          made="measured at start (one process)")
     finally:
         torch.set_num_threads(before)
     alone = cal.share()
@@ -392,6 +429,7 @@ def quick(world: int, device: torch.device | None = None) -> Calibration:
     cal.memory = {k: v * factor for k, v in cal.memory.items()}
     cal.op_s *= factor
     cal.step_s *= factor
+    cal.dtensor_op_s *= factor
     bandwidth = loopback_bandwidth()
     cal.comm = {f"{k}/{world}": [0.0, bandwidth] for k in COMM_KINDS}
     return cal
@@ -419,55 +457,3 @@ def loopback_bandwidth(nbytes: int = 32 << 20) -> float:
     left.close()
     right.close()
     return nbytes / elapsed
-
-
-def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool) -> None:
-    """One measuring process of launch/calibrate.py: compute first (all processes at once), then the
-    collectives; each writes its figures to `out_dir`/rank<R>.json."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    elif threads := worker_threads(world):  # as a run's workers (parallel.launcher)
-        torch.set_num_threads(threads)
-    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world, device_id=device if use_cuda else None)
-    try:
-        dist.barrier()
-        products = measure_products(device)
-        memory = measure_memory(device)
-        steps = measure_steps(device)
-        dist.barrier()
-        comm = measure_comm(rank, world, device) if world > 1 else {}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"products": products, "memory": memory, "steps": steps, "comm": comm,
-                       "threads": torch.get_num_threads(), "device": device_name(device)}, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def calibrate(world: int, use_cuda: bool) -> Calibration:
-    """Measure this machine with `world` processes at once (launch/calibrate.py, Note [calibration])."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, use_cuda), nprocs=world,
-                           start_method="spawn")
-        ranks = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-
-    def mean(key: str) -> dict[str, float]:
-        return {k: statistics.fmean(r[key][k] for r in ranks) for k in ranks[0][key]}
-
-    cal = Calibration(torch=torch.__version__, device=ranks[0]["device"], world=world, threads=ranks[0]["threads"],
-                      cores=cores(), products=mean("products"), memory=mean("memory"), comm=ranks[0]["comm"],
-                      made=f"launch/calibrate.py on {platform.node()}, "
-                           f"{datetime.datetime.now().isoformat(timespec='seconds')}")
-    # every rank's reference steps, each step's time the mean over the ranks (they ran at once)
-    fit_steps(cal, [(work, statistics.fmean(r["steps"][i][1] for r in ranks))
-                    for i, (work, _) in enumerate(ranks[0]["steps"])])
-    return cal

@@ -6,14 +6,21 @@ For each rank role the planner gives the work of one step; its time is
 
     compute    when the run computes on this machine (no plan.calibration,
                or one made here): each distinct op call of the step (the op,
-               its arguments' shapes, strides and dtypes) run here once on
-               real tensors and timed, x how often the step makes it; a call
+               its arguments' shapes, strides and dtypes; a DTensor op as
+               the rank runs it, on its local shards) run here on real
+               tensors and timed (parallel.replay), x how often the step
+               makes it, x the replay scale fitted to launch/calibrate.py's
+               reference steps (a call repeated alone finds its operands in
+               the caches, a step does not; 1 without such a file); a call
                that cannot run without real values is priced as below.
                Otherwise, priced with the calibration's rates: sum over the
                product size classes of FLOPs / the class's rate, plus the
                bytes other ops move x the seconds per byte of their class,
                each scaled by what the reference steps fitted, plus ops x the
-               time per op. Both add the fixed time per step. Workers that
+               time per op. Both add the fixed time per step, and the time
+               DTensor's dispatch adds to each op on DTensors (its sharding
+               propagation: tensor parallelism's ops, measured as
+               dtensor_op_s). Workers that
                outnumber the cores share them: x W x threads / cores, over
                the share the rates were measured with.
     bubble     a pipeline's compute x b / (1 - b), b its schedule's idle
@@ -28,14 +35,22 @@ For each rank role the planner gives the work of one step; its time is
     step       compute + bubble + comm + transfers, of the slowest role
 
 Timing the calls replaces a model of kernels (how fast a product of this
-shape runs, whether an op's bytes stay in the caches, what GELU costs) with
-the kernels themselves: the replayed calls of a step add up to within a few
-percent of the step run whole. On the CPU the workers' threads take every
-core, so communication does not overlap compute: the terms add. On GPUs they
+shape runs, what GELU costs) with the kernels themselves; what they cost
+inside a step beyond that (operands evicted by the rest of the step, the
+allocator, autograd's bookkeeping) is the replay scale: the reference steps
+of parallel.calibration took 1.2-2.4x the sum of their calls timed alone
+here (the most where large weights meet small batches); a scale fitted to
+them brings other steps closer (two, for the products and the rest, brought
+five other steps from 19-43% low to within 10% once, but came out far apart
+from one calibration to the next). On the CPU the workers' threads take every core, so
+communication does not overlap compute: the terms add. On GPUs they
 would (DDP's buckets with backward, FSDP2's prefetch, a pipeline's sends):
 the model adds them there too, an upper bound until it is measured on one. It
-leaves out: the first steps' warm-up, the Python of hooks (FSDP2's, DDP's),
-the data loader's time when it is the bottleneck, and logging.
+leaves out: the first steps' warm-up, the Python of hooks (FSDP2's, DDP's)
+and of a pipeline's schedule, the collectives DTensor makes inside an op's
+dispatch (an operand redistributed before the op; those of the layers'
+plans are counted), the data loader's time when it is the bottleneck, and
+logging.
 """
 from __future__ import annotations
 
@@ -44,7 +59,6 @@ import functools
 import json
 import logging
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -52,7 +66,7 @@ import torch
 from parallel.calibration import Calibration, cores, quick
 from parallel.config import Config, ConfigError, cuda_run, pipelined, strategy_spec
 from parallel.hardware import worker_threads
-from parallel.plan_work import byte_class, size_class
+from parallel.replay import PROBE, Replay, probe_seconds
 from parallel.strategies.pipeline.schedules import analytic_bubble
 
 log = logging.getLogger("parallel")
@@ -117,9 +131,10 @@ def calibration_for(cfg: Config, world: int) -> Calibration:
 
 
 @functools.lru_cache(maxsize=None)
-def _replay(device_type: str, threads: int | None) -> Replay:
-    """One Replay a process for each device and thread count: a call shape is timed once, whichever plan has it."""
-    return Replay(torch.device(device_type), threads)
+def _replay(device_type: str, threads: int | None, probe_s: float | None) -> Replay:
+    """One Replay a process for each device, thread count and calibrated speed: a call shape is timed once,
+    whichever plan has it."""
+    return Replay(torch.device(device_type), threads, probe_s)
 
 
 def replay_for(cfg: Config, cal: Calibration, world: int) -> Replay | None:
@@ -128,7 +143,11 @@ def replay_for(cfg: Config, cal: Calibration, world: int) -> Replay | None:
     cuda = cuda_run(cfg.trainer.device)
     if cuda and not torch.cuda.is_available() or cal.host != platform.node():
         return None
-    return _replay("cuda", None) if cuda else _replay("cpu", worker_threads(world))
+    if cuda:
+        return _replay("cuda", None, None)
+    # the replay runs in this one process: the probe is held to the calibration's rate as one process alone
+    # would have measured it (rates measured with the cores shared are that share slower)
+    return _replay("cpu", worker_threads(world), probe_seconds(cal.product_rate(PROBE) * cal.share()))
 
 
 def _contention(cal: Calibration, world: int) -> float:
@@ -145,7 +164,12 @@ def compute_parts(work: dict, cal: Calibration, factor: float = 1.0) -> dict[str
     products = sum(flops / cal.product_rate(int(size)) for size, (_, flops) in work["products"].items())
     memory = sum(nbytes * cal.memory_time(int(size)) for size, (_, nbytes) in work["memory"].items())
     return {"products": products * cal.products_scale * factor, "memory": memory * cal.memory_scale * factor,
-            "ops": (work["ops"] * cal.op_s + cal.step_s) * factor}
+            "ops": (work["ops"] * cal.op_s + dtensor_time(work, cal) + cal.step_s) * factor}
+
+
+def dtensor_time(work: dict, cal: Calibration) -> float:
+    """Seconds DTensor's dispatch adds to a role's ops on DTensors (Note [cost model])."""
+    return work.get("dtensor_ops", 0) * cal.dtensor_op_s
 
 
 def compute_time(work: dict, cal: Calibration, factor: float = 1.0) -> float:
@@ -174,8 +198,9 @@ def step_times(cfg: Config, plans: list, cal: Calibration, world: int, disk: flo
         if replay is None or not p.calls:
             return compute_parts(p.work, cal, factor)
         timed = replay.price(p.calls, cal)
-        return {"products": timed["products"] * factor, "memory": timed["memory"] * factor,
-                "ops": cal.step_s * factor}
+        return {"products": timed["products"] * cal.replay_scale * factor,
+                "memory": timed["memory"] * cal.replay_scale * factor,
+                "ops": (dtensor_time(p.work, cal) + cal.step_s) * factor}
 
     rows = [(compute(p), comm_time(p.work, cal), p) for p in plans]
     parts, comm, worst = max(rows, key=lambda r: sum(r[0].values()) + r[1])
@@ -189,93 +214,15 @@ def step_times(cfg: Config, plans: list, cal: Calibration, world: int, disk: flo
             "step": compute + bubble + comm + transfers}
 
 
-def _real(spec, device: torch.device):
-    """A real argument made from its description (parallel.plan_work.spec): tensors of the shape, strides,
-    offset and dtype, floating ones in [0.5, 1.5) (no square root of a negative, nothing that shrinks to
-    denormals in a few calls), integer and boolean ones zeros (a valid index)."""
-    kind = spec[0]
-    if kind == "tensor":
-        _, shape, stride, offset, dtype = spec
-        need = offset + (1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0)
-        base = torch.empty(max(need, 1), dtype=dtype, device=device)
-        base.uniform_(0.5, 1.5) if dtype.is_floating_point or dtype.is_complex else base.zero_()
-        return base.as_strided(shape, stride, offset)
-    if kind in ("list", "tuple"):
-        items = [_real(v, device) for v in spec[1:]]
-        return items if kind == "list" else tuple(items)
-    if kind == "dict":
-        return {k: _real(v, device) for k, v in spec[1:]}
-    if kind == "generator":
-        return None
-    # A device the plan names (its own, the CPU, when it plans a CUDA run there: autocast's casts, factory
-    # ops) is the replay's: a copy to it would otherwise time a transfer to host memory the run never makes.
-    return device if isinstance(spec[1], torch.device) else spec[1]
-
-
-class Replay:
-    """Each distinct op call of a planned step run here on real tensors and timed (Note [cost model]), once
-    per call shape for every candidate priced with it.
-
-    Args:
-        device: where the run computes (this machine's).
-        threads: the torch threads each worker of the run will have (None: this process's).
-    """
-
-    def __init__(self, device: torch.device, threads: int | None = None):
-        self.device, self.threads = device, threads
-        self.seconds: dict[tuple, float | None] = {}  # call -> seconds (None: could not run here)
-
-    def _time(self, key: tuple) -> float | None:
-        func, args, kwargs = key
-        try:
-            a, k = _real(args, self.device), _real(kwargs, self.device)
-            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-            func(*a, **k)  # warm: the kernel's first call allocates and picks its path
-            sync()
-            t0 = time.perf_counter()
-            func(*a, **k)
-            sync()
-            once = time.perf_counter() - t0
-            reps = max(1, min(20, int(2e-4 / max(once, 1e-7))))  # small calls: repeated for ~0.2 ms
-            if reps == 1:
-                return once
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                func(*a, **k)
-            sync()
-            return (time.perf_counter() - t0) / reps
-        except Exception:  # noqa: BLE001 - a call that needs real values (or another device): priced by class
-            return None
-
-    def price(self, calls: dict, cal: Calibration) -> dict[str, float]:
-        """Seconds of a role's calls: those with FLOPs ("products") and the rest ("memory"); a call that
-        cannot run here is priced by its class (Note [step work])."""
-        before = torch.get_num_threads()
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        out = {"products": 0.0, "memory": 0.0}
-        try:
-            with torch.no_grad():
-                for key, (n, flops, moved) in calls.items():
-                    if key not in self.seconds:
-                        self.seconds[key] = self._time(key)
-                    t = self.seconds[key]
-                    if t is None:
-                        t = (flops / cal.product_rate(size_class(flops)) if flops else
-                             moved * cal.memory_time(byte_class(moved)) + cal.op_s)
-                    out["products" if flops else "memory"] += n * t
-        finally:
-            torch.set_num_threads(before)
-        return out
-
-
 def describe(cal: Calibration) -> str:
     """One line naming the rates a prediction used."""
     big = max(cal.products, key=int)
     return (f"{cal.made}: {cal.device}, {cal.world} process(es) x {cal.threads} thread(s) on {cal.cores} cores; "
-            f"products {cal.products[big] / 1e9:.1f} GFLOP/s at {big}, {cal.op_s * 1e6:.1f} us per op"
+            f"products {cal.products[big] / 1e9:.1f} GFLOP/s at {big}, {cal.op_s * 1e6:.1f} us per op, "
+            f"{cal.dtensor_op_s * 1e6:.1f} us more on DTensors, op calls timed alone x {cal.replay_scale:.2f} in a "
+            f"step"
             + (f", all-reduce {cal.comm[k][1] / 1e9:.2f} GB/s" if (k := next(
                 (k for k in cal.comm if k.startswith("allreduce/")), None)) else "")
             + (f", collectives in a step x {cal.comm_scale:.2f} + {cal.call_s * 1e3:.2f} ms an all-gather or "
-               f"reduce-scatter"
-               if cal.comm_scale != 1.0 or cal.call_s else ""))
+               f"reduce-scatter + {cal.sync_s * 1e3:.2f} ms any other call or send"
+               if cal.comm_scale != 1.0 or cal.call_s or cal.sync_s else ""))

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = None
 
 aten = torch.ops.aten
 
@@ -41,6 +47,21 @@ def formula(func):
     return flop_registry.get(packet) or _CPU_ATTENTION.get(packet)
 
 
+def local_call(args, kwargs, out):
+    """(args, kwargs, out, distributed) of an op as a rank computes it: DTensors replaced by their local
+    shards, `distributed` true when there were any.
+
+    A dispatch mode sees a DTensor op once, with the global shapes (it runs before the DTensor's own dispatch,
+    and the local op that dispatch makes runs with the mode popped): counted as it is, a tensor-parallel rank
+    would be charged the whole product. The local shards are what that rank's op reads and writes where the
+    operands already have the layout the op's sharding needs, as a tensor-parallel plan arranges (an input
+    that is redistributed first is counted in the layout it arrived in)."""
+    if DTensor is None or not any(isinstance(t, DTensor) for t in tree_flatten((args, kwargs, out))[0]):
+        return args, kwargs, out, False
+    local = (lambda t: t._local_tensor if isinstance(t, DTensor) else t)
+    return tree_map(local, args), tree_map(local, kwargs), tree_map(local, out), True
+
+
 class Flops(TorchDispatchMode):
     """FLOPs of the ops run while active, by torch's own per-op formulas (torch.utils.flop_counter, and
     `formula`'s for the CPU's attention), and how many ops ran. FlopCounterMode itself also attributes FLOPs to
@@ -57,5 +78,6 @@ class Flops(TorchDispatchMode):
         self.ops += 1
         f = formula(func)
         if f is not None:
-            self.total += f(*args, **kwargs, out_val=out)
+            a, k, o, _ = local_call(args, kwargs, out)
+            self.total += f(*a, **k, out_val=o)
         return out

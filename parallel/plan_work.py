@@ -18,6 +18,13 @@ dispatch mode sees every op of it and sorts them as parallel.cost prices them
                nearest): small ops stay in the caches; views move nothing.
     ops        every op dispatched (each costs a fixed time besides its work:
                dispatch, autograd's bookkeeping, the Python around it).
+    dtensor_ops  the ops among them on DTensors (tensor parallelism's,
+               FSDP2's parameters outside its hooks): each also costs
+               DTensor's own dispatch (sharding propagation, wrapping).
+
+An op on DTensors is counted as the rank runs it, on the local shards
+(parallel.flops.local_call): a dispatch mode sees such an op once, with the
+global shapes, and the local op that DTensor then runs is out of its sight.
     comm       each collective and point-to-point send, by (kind, the size of
                its group): calls and the bytes it is handed (its input, before
                any gather). Waits, receives and groups of one rank are left
@@ -36,7 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from parallel.flops import formula
+from parallel.flops import formula, local_call
 from parallel.plan_comm import _INPUTS, _NOT_SENT, _group, _kind
 
 SIZES = tuple(2 ** i for i in range(4, 13))  # the product size classes: 16 .. 4096
@@ -92,19 +99,23 @@ class Work(TorchDispatchMode):
         self.products: dict[int, list[int]] = {}  # size class -> [calls, FLOPs]
         self.memory: dict[int, list[int]] = {}  # byte class -> [calls, bytes]
         self.ops = 0
+        self.dtensor_ops = 0  # ops on DTensors: each also costs DTensor's dispatch (sharding propagation)
         self.comm: dict[tuple[str, int], list[int]] = {}  # (kind, group size) -> [calls, bytes handed]
         # (op, its arguments' specs) -> [calls, FLOPs of one call, bytes of one]: what parallel.cost replays
         self.calls: dict[tuple, list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        result = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(func, args, kwargs)
-            return out
-        if func.namespace in ("prim", "profiler"):  # a fake tensor's device query, a profiler's range: no kernel
-            return out
+        elif func.namespace not in ("prim", "profiler"):  # a fake tensor's device query, a profiler's range
+            self._op(func, *local_call(args, kwargs, result))
+        return result
+
+    def _op(self, func, args, kwargs, out, distributed: bool) -> None:
         self.ops += 1
+        self.dtensor_ops += distributed
         f = formula(func)
         flops = f(*args, **kwargs, out_val=out) if f is not None else 0
         moved = 0
@@ -124,10 +135,9 @@ class Work(TorchDispatchMode):
             key = (func, spec(args), spec(kwargs))
             hash(key)
         except TypeError:  # an argument that cannot be replayed: priced by its class only
-            return out
+            return
         row = self.calls.setdefault(key, [0, flops, moved])
         row[0] += 1
-        return out
 
     def _collective(self, func, args, kwargs) -> None:
         kind = _kind(func)
@@ -153,5 +163,5 @@ class Work(TorchDispatchMode):
         """The work of one step, of the `steps` counted (JSON: string keys)."""
         return {"products": {str(s): [c // steps, f // steps] for s, (c, f) in sorted(self.products.items())},
                 "memory": {str(s): [c // steps, b // steps] for s, (c, b) in sorted(self.memory.items())},
-                "ops": self.ops // steps,
+                "ops": self.ops // steps, "dtensor_ops": self.dtensor_ops // steps,
                 "comm": {f"{k}/{w}": [c // steps, b // steps] for (k, w), (c, b) in sorted(self.comm.items())}}

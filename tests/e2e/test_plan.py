@@ -6,6 +6,7 @@ import matplotlib.image
 import pytest
 import torch
 
+from parallel.config import ConfigError
 from tests import cli
 
 PLAN = str(cli.ROOT / "launch" / "plan.py")
@@ -150,7 +151,8 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
                          cwd=tmp_path, timeout=100).stdout
     assert f"written: {cal}" in out and "2 process(es)" in out
     rates = json.loads(cal.read_text())
-    assert rates["world"] == 2 and rates["threads"] >= 1 and rates["op_s"] > 0
+    assert rates["world"] == 2 and rates["threads"] >= 1 and rates["op_s"] > 0 and rates["dtensor_op_s"] > 0
+    assert rates["replay_scale"] > 0
     assert {f"{k}/2" for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")} == \
         set(rates["comm"]) and all(bw > 0 and lat >= 0 for lat, bw in rates["comm"].values())
     out = plan(["strategy=data", "strategy.zero=3", "world_size=2", f"plan.calibration={cal}", f"run_dir={tmp_path}"],
@@ -162,6 +164,19 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
     assert t["step"] == pytest.approx(t["products"] + t["memory"] + t["ops"] + t["comm"])
     bad = cli.run_script(str(cli.ROOT / "launch" / "calibrate.py"), ["nproc=0"], cwd=tmp_path)
     assert bad.returncode == 2 and "nproc='0'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_calibrate_leaves_out_a_reference_run_the_world_size_cannot_take():
+    """launch/calibrate.py fits collectives in a step to the framework's own runs (data zero 0 and 3, model,
+    pipeline); one a world size cannot take (tensor parallelism of hidden 512 over 3 ranks) is a config error
+    before anything runs, and left out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("calibrate_script", cli.ROOT / "launch" / "calibrate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(ConfigError, match="must divide by tp 3"):
+        script._planned(["strategy=model", *script.REFERENCE_MODEL, "trainer.batch_size=192"], 3, None)
 
 
 @pytest.mark.timeout(120)

@@ -3,16 +3,19 @@
 import dataclasses
 import json
 import logging
+import time
 
 import pytest
 import torch
 
-from parallel.calibration import Calibration, _fit, quick
+from parallel.calibration import Calibration, fit_replay, measure_dtensor_op, quick
+from parallel.calibration_runs import _fit, fit_comm
 from parallel.config import Config, ConfigError
-from parallel.cost import Replay, _real, comm_time, compute_time, load, step_times
+from parallel.cost import comm_time, compute_time, load, step_times
 from parallel.models.build import build_meta_model
 from parallel.plan_work import Work, byte_class, ddp_calls, size_class, spec
 from parallel.planner import plan
+from parallel.replay import Replay, _real
 from parallel.validate import validate
 
 
@@ -79,8 +82,14 @@ def test_pricing_is_the_stated_sum():
     expected = 6e6 / 4e9 + 32e9 / 16e9 + 40_000 * 1e-10 + 100 * 1e-6 + 1e-4
     assert compute_time(work, cal) == pytest.approx(expected)
     assert compute_time(work, cal, factor=2.0) == pytest.approx(2 * expected)
+    # ops on DTensors: DTensor's dispatch added to each
+    assert compute_time(work | {"dtensor_ops": 50}, _cal(dtensor_op_s=4e-6)) == pytest.approx(expected + 50 * 4e-6)
     # a group size not measured: the nearest measured one; a kind not measured: the all-reduce's fit
-    assert comm_time(work, cal) == pytest.approx((2e-4 + 1e6 / 1e9) + (2e-4 + 1e6 / 5e8) + (1e-4 + 1e6 / 1e9))
+    alone = (2e-4 + 1e6 / 1e9) + (2e-4 + 1e6 / 5e8) + (1e-4 + 1e6 / 1e9)
+    assert comm_time(work, cal) == pytest.approx(alone)
+    # in a step: x comm_scale, + call_s an all-gather or reduce-scatter, + sync_s any other call or send
+    in_step = _cal(comm_scale=2.0, call_s=3e-3, sync_s=1e-3)
+    assert comm_time(work, in_step) == pytest.approx(2 * alone + 3e-3 + 3 * 1e-3)
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -89,11 +98,72 @@ def test_fit_recovers_latency_and_bandwidth():
     assert latency == pytest.approx(3e-5, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
 
 
+def test_a_tensor_parallel_rank_is_charged_its_shards_not_the_whole_product():
+    """A dispatch mode sees a DTensor op with the global shapes: counted so, each rank of tp2 would do the work
+    of both. The MLP's products split evenly over the ranks of `model` (columns, then rows) as over those of
+    `data` (half the batch each): the same FLOPs and product calls per rank, every op on DTensors counted."""
+    cfg, (data,) = _planned(name="data", zero=0)
+    _, (model,) = _planned(name="model")
+    assert model.flops == data.flops > 0
+    assert model.work["products"] == data.work["products"]
+    assert data.work["dtensor_ops"] == 0 and model.work["dtensor_ops"] > 50
+    shapes = {tuple(a[1] for a in key[1][1:] if a[0] == "tensor") for key in model.calls
+              if key[0] in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)}
+    assert any(s[-2:] == ((32, 32), (32, 16)) for s in shapes)  # the whole batch (32) x a column shard (16)
+    assert not any(s[-2:] == ((32, 32), (32, 32)) for s in shapes)  # never x a whole hidden weight
+
+
+def test_dtensor_dispatch_is_measured_and_leaves_no_group_behind():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is up in this process")
+    seconds = measure_dtensor_op(torch.device("cpu"))
+    assert 0 < seconds < 1e-3 and not dist.is_initialized()
+
+
+def test_comm_fits_average_the_ranks_and_take_a_send_s_receiver():
+    sizes = (4096, 1 << 20)
+    ranks = [{"allreduce/2": [(n, lat + n / 1e9) for n in sizes], "send/2": [(n, slat + n / 1e9) for n in sizes]}
+             for lat, slat in ((1e-4, 1e-5), (3e-4, 2e-3))]  # rank 1 receives rank 0's sends
+    fits = fit_comm(ranks)
+    assert fits["allreduce/2"] == pytest.approx([2e-4, 1e9], rel=1e-6)
+    assert fits["send/2"] == pytest.approx([2e-3, 1e9], rel=1e-6)
+
+
+def test_the_replay_scale_fits_what_steps_take_beyond_their_calls_timed_alone():
+    cal = _cal(step_s=1e-4)
+    timed = [{"products": p, "memory": m} for p, m in ((1e-3, 1e-3), (4e-3, 1e-3), (1e-3, 5e-3), (2e-3, 2e-3))]
+    fit_replay(cal, [({}, 1e-4 + 1.5 * (t["products"] + t["memory"]), t) for t in timed])
+    assert cal.replay_scale == pytest.approx(1.5)
+    untouched = _cal()
+    fit_replay(untouched, [({}, 0.5e-4, {"products": 1e-3, "memory": 0.0})] * 2)  # no step beyond step_s
+    assert untouched.replay_scale == 1.0
+
+
+def test_replay_takes_a_call_at_the_speed_the_machine_was_calibrated_at(monkeypatch):
+    """A probe product timed beside each call: a machine running half as fast as when it was calibrated has its
+    calls' times halved, within 1/4..4."""
+    assert Replay(torch.device("cpu"))._speed() == 1.0  # no calibrated probe: as timed
+    assert Replay(torch.device("cpu"), probe_s=1e-12)._speed() == 4.0  # clamped
+    assert Replay(torch.device("cpu"), probe_s=10.0)._speed() == 0.25
+    assert Replay(torch.device("meta"), probe_s=1.0).probe_s is None  # the probe is a CPU's
+
+    def nap(ms):
+        time.sleep(ms / 1e3)
+
+    key = (nap, ("tuple", ("value", 2.0)), ("dict",))  # as parallel.plan_work.spec describes nap(2.0)
+    replay = Replay(torch.device("cpu"), probe_s=1.0)
+    monkeypatch.setattr(replay, "_speed", lambda: 2.0)
+    assert 0.9e-3 < replay._time(key) < 2.5e-3  # 2 ms slept (a busy machine: more), twice as slow as calibrated
+
+
 def test_quick_measures_every_term():
     cal = quick(2)
     assert cal.world == 2 and cal.device == "cpu" and cal.op_s > 0 and cal.step_s >= 0
     assert set(cal.products) == {"16", "32", "64", "128", "256", "512"} and all(v > 0 for v in cal.products.values())
     assert all(v > 0 for v in cal.memory.values()) and "allreduce/2" in cal.comm
+    assert cal.dtensor_op_s >= 0 and cal.replay_scale == 1.0  # the replay scale wants launch/calibrate.py's steps
 
 
 def test_bad_calibration_files(tmp_path, caplog):

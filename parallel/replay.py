@@ -1,0 +1,128 @@
+"""The op calls of a planned step (Note [step work]) run on this machine on real tensors and timed: what
+parallel.cost prices a step with when the run computes here (Note [cost model]), and what
+parallel.calibration fits its replay scale with (Note [calibration])."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from parallel.plan_work import byte_class, size_class
+
+
+def _real(spec, device: torch.device):
+    """A real argument made from its description (parallel.plan_work.spec): tensors of the shape, strides,
+    offset and dtype, floating ones in [0.5, 1.5) (no square root of a negative, nothing that shrinks to
+    denormals in a few calls), integer and boolean ones zeros (a valid index)."""
+    kind = spec[0]
+    if kind == "tensor":
+        _, shape, stride, offset, dtype = spec
+        need = offset + (1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0)
+        base = torch.empty(max(need, 1), dtype=dtype, device=device)
+        base.uniform_(0.5, 1.5) if dtype.is_floating_point or dtype.is_complex else base.zero_()
+        return base.as_strided(shape, stride, offset)
+    if kind in ("list", "tuple"):
+        items = [_real(v, device) for v in spec[1:]]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {k: _real(v, device) for k, v in spec[1:]}
+    if kind == "generator":
+        return None
+    # A device the plan names (its own, the CPU, when it plans a CUDA run there: autocast's casts, factory
+    # ops) is the replay's: a copy to it would otherwise time a transfer to host memory the run never makes.
+    return device if isinstance(spec[1], torch.device) else spec[1]
+
+
+PROBE = 128  # the side of the probe product (Replay's `probe_s`)
+
+
+def probe_seconds(rate: float) -> float:
+    """The probe product's time at `rate` FLOP/s (a calibration's rate for its size class)."""
+    return 2 * PROBE ** 3 / rate
+
+
+def _once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Replay:
+    """Each distinct op call of a planned step run here on real tensors and timed (Note [cost model]), once
+    per call shape for every candidate priced with it.
+
+    Args:
+        device: where the run computes (this machine's).
+        threads: the torch threads each worker of the run will have (None: this process's).
+        probe_s: on a CPU, the time of a 128 x 128 product when the machine was calibrated: beside each call
+            a probe product is timed too, and the call's time taken at the speed the probe then had (here a
+            256 x 256 product took 330-460 us from one second to the next on an idle machine, and one plan's
+            calls came out twice as slow as the same calls in the next plan). None: as timed.
+    """
+
+    BATCH_S = 2e-4  # the shortest batch of repeats timed for one sample of a short call
+
+    def __init__(self, device: torch.device, threads: int | None = None, probe_s: float | None = None):
+        self.device, self.threads = device, threads
+        self.probe_s = probe_s if device.type == "cpu" else None
+        self.seconds: dict[tuple, float | None] = {}  # call -> seconds (None: could not run here)
+        self._probe = torch.ones(PROBE, PROBE, device=device) if self.probe_s else None
+
+    def _speed(self) -> float:
+        """The probe's time now over its calibrated time (1: as calibrated; 2: twice as slow), within 1/4..4."""
+        if self._probe is None:
+            return 1.0
+        self._probe @ self._probe
+        now = min(_once(lambda: self._probe @ self._probe) for _ in range(3))
+        return min(4.0, max(0.25, now / self.probe_s))
+
+    def _time(self, key: tuple) -> float | None:
+        """Seconds of one call: the median of three batches, each of at least `BATCH_S` of calls (one call
+        where a call is longer), after a warm-up call. A call shape stands for every time the step makes
+        it (96 times a step for a small pipeline's products), so one sample's error, a moment when another
+        process takes the core, would be multiplied by that."""
+        func, args, kwargs = key
+        try:
+            a, k = _real(args, self.device), _real(kwargs, self.device)
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+            func(*a, **k)  # warm: the kernel's first call allocates and picks its path
+            sync()
+            t0 = time.perf_counter()
+            func(*a, **k)
+            sync()
+            once = time.perf_counter() - t0
+            reps = max(1, min(50, int(self.BATCH_S / max(once, 1e-7))))
+            batches = [once]
+            for _ in range(2):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    func(*a, **k)
+                sync()
+                batches.append((time.perf_counter() - t0) / reps)
+            return statistics.median(batches) / self._speed()
+        except Exception:  # noqa: BLE001 - a call that needs real values (or another device): priced by class
+            return None
+
+    def price(self, calls: dict, cal) -> dict[str, float]:
+        """Seconds of a role's calls: those with FLOPs ("products") and the rest ("memory"); a call that
+        cannot run here is priced by its class with `cal`'s rates (Note [step work]; None: left out)."""
+        before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        out = {"products": 0.0, "memory": 0.0}
+        try:
+            with torch.no_grad():
+                for key, (n, flops, moved) in calls.items():
+                    if key not in self.seconds:
+                        self.seconds[key] = self._time(key)
+                    t = self.seconds[key]
+                    if t is None and cal is None:
+                        continue
+                    if t is None:
+                        t = (flops / cal.product_rate(size_class(flops)) if flops else
+                             moved * cal.memory_time(byte_class(moved)) + cal.op_s)
+                    out["products" if flops else "memory"] += n * t
+        finally:
+            torch.set_num_threads(before)
+        return out
