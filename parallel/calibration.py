@@ -193,6 +193,18 @@ def _timed(fn, device: torch.device, seconds: float, least: int = 3, batches: in
     return statistics.median(per_call)
 
 
+def _fastest_alternating(fns: dict, device: torch.device, batch_s: float, rounds: int = 5,
+                         least: int = 3) -> dict:
+    """Seconds per call of each of `fns`, timed in turn for `rounds` rounds (batches of about `batch_s`), the
+    fastest batch of each: a stretch in which another process takes the core then slows all or none, where
+    timed one after the other it could slow one alone (a difference of two is what the callers take)."""
+    best = {key: float("inf") for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            best[key] = min(best[key], _timed(fn, device, batch_s, least=least, batches=1))
+    return best
+
+
 def measure_products(device: torch.device, seconds: float = 0.1, top: int | None = None) -> dict[str, float]:
     """FLOP/s of square float32 products (bf16 on a GPU) per size class up to `top` (Note [calibration])."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -241,14 +253,10 @@ def measure_ops(device: torch.device, seconds: float = 0.1, least: int = 3, roun
         with Flops() as counted:
             step(depth)
         ops[depth] = counted.ops
-    # The two depths in alternation, the fastest batch of each: a stretch in which another process takes the
-    # core then slows both or neither. Timed one after the other, a slow stretch over the shallow step alone
-    # made the slope 0 (the suite's other test process, once).
-    times = {1: float("inf"), 8: float("inf")}
-    for _ in range(rounds):
-        for depth in (1, 8):
-            times[depth] = min(times[depth], _timed(lambda d=depth: step(d), device, seconds / (2 * rounds),
-                                                    least=least, batches=1))
+    # Timed one after the other, a slow stretch over the shallow step alone made the slope 0 (the suite's other
+    # test process, once).
+    times = _fastest_alternating({d: (lambda d=d: step(d)) for d in (1, 8)}, device, seconds / (2 * rounds),
+                                 rounds, least)
     per_op = max((times[8] - times[1]) / (ops[8] - ops[1]), 0.0)
     return per_op, max(times[1] - per_op * ops[1], 0.0)
 
@@ -278,13 +286,9 @@ def measure_dtensor_op(device: torch.device, seconds: float = 0.05) -> float:
         def ops(a, b, m) -> None:
             (a * b + a).mm(m).sum(dim=1)
 
-        # alternating, the fastest batch of each (as measure_ops: a slow stretch then slows both or neither)
         lx, ly, lw = x.to_local(), y.to_local(), w.to_local()
-        best = {"distributed": float("inf"), "local": float("inf")}
-        for _ in range(5):
-            best["distributed"] = min(best["distributed"], _timed(lambda: ops(x, y, w), device, seconds / 5,
-                                                                  batches=1))
-            best["local"] = min(best["local"], _timed(lambda: ops(lx, ly, lw), device, seconds / 5, batches=1))
+        best = _fastest_alternating({"distributed": lambda: ops(x, y, w), "local": lambda: ops(lx, ly, lw)}, device,
+                                    seconds / 5)
         return max(best["distributed"] - best["local"], 0.0) / 4
     finally:
         if own:
