@@ -23,8 +23,18 @@ For each rank role the planner gives the work of one step; its time is
                dtensor_op_s). Workers that
                outnumber the cores share them: x W x threads / cores, over
                the share the rates were measured with.
-    bubble     a pipeline's compute x b / (1 - b), b its schedule's idle
-               share (parallel.strategies.pipeline.schedules.analytic_bubble)
+    bubble     a pipeline's idle time: b / (1 - b) x the forward and backward
+               compute of the other stages' ranks (their mean), b the
+               schedule's idle share for equal stages
+               (parallel.strategies.pipeline.schedules.analytic_bubble). The
+               slowest rank waits for the others' first microbatches, not for
+               its own: with equal stages this is b / (1 - b) x its own
+               compute; with a slow stage (a language model's head) it is less.
+               Clipping and the optimizer's step run after the schedule and
+               make no bubble (Note [step work]: forward_backward). Measured,
+               the 125M Llama of benchmarks/hf.py on 2 ranks here (stage
+               compute 2.2 and 2.7 s, 2 microbatches): the slow stage idle
+               10% of its schedule, where b is 33%.
     comm       per collective kind and group size: calls x its latency +
                bytes handed / its bandwidth, both fitted from the measured
                calls (gloo's reduce-scatter, an all-reduce inside, is what
@@ -172,6 +182,17 @@ def dtensor_time(work: dict, cal: Calibration) -> float:
     return work.get("dtensor_ops", 0) * cal.dtensor_op_s
 
 
+def forward_backward_share(work: dict, cal: Calibration) -> float:
+    """The share of a role's compute in its forward and backward (Note [step work]), priced by class: 1 for a
+    work without that part recorded."""
+    def priced(w: dict) -> float:
+        parts = compute_parts({**w, "dtensor_ops": 0}, cal)
+        return parts["products"] + parts["memory"] + w["ops"] * cal.op_s
+
+    whole = priced(work)
+    return min(1.0, priced(work["forward_backward"]) / whole) if "forward_backward" in work and whole > 0 else 1.0
+
+
 def compute_time(work: dict, cal: Calibration, factor: float = 1.0) -> float:
     """Seconds of a role's ops: the sum of `compute_parts`."""
     return sum(compute_parts(work, cal, factor).values())
@@ -206,9 +227,11 @@ def step_times(cfg: Config, plans: list, cal: Calibration, world: int, disk: flo
     parts, comm, worst = max(rows, key=lambda r: sum(r[0].values()) + r[1])
     compute = sum(parts.values())
     bubble = 0.0
-    if pipelined(s):  # the idle share b of the step: idle time = compute x b / (1 - b)
+    if pipelined(s):  # b / (1 - b) x the other stages' forward and backward (Note [cost model])
         idle = analytic_bubble(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
-        bubble = compute * idle / (1 - idle)
+        scheduled = [sum(c.values()) * forward_backward_share(p.work, cal) for c, _, p in rows if p is not worst] \
+            or [compute * forward_backward_share(worst.work, cal)]
+        bubble = sum(scheduled) / len(scheduled) * idle / (1 - idle)
     transfers = worst.io_bytes / disk if disk and strategy_spec(s.name).offloads else 0.0
     return {**parts, "compute": compute, "bubble": bubble, "comm": comm, "transfers": transfers,
             "step": compute + bubble + comm + transfers}

@@ -29,6 +29,11 @@ global shapes, and the local op that DTensor then runs is out of its sight.
                its group): calls and the bytes it is handed (its input, before
                any gather). Waits, receives and groups of one rank are left
                out: a receive's time is its sender's.
+    forward_backward  products, memory and ops again, of the ops dispatched
+               in the step's forward and backward (a pipeline's schedule)
+               alone, without clipping and the optimizer's step: the part of
+               a pipeline stage's compute its schedule's bubble is made of
+               (Note [cost model]). The planner sets `Work.phase`.
 
 A step's work is `Work.as_dict()`: JSON, stored in plan.json per rank role.
 Beside it, `Work.calls` holds each distinct op call (the op and its
@@ -100,6 +105,9 @@ class Work(TorchDispatchMode):
         self.memory: dict[int, list[int]] = {}  # byte class -> [calls, bytes]
         self.ops = 0
         self.dtensor_ops = 0  # ops on DTensors: each also costs DTensor's dispatch (sharding propagation)
+        self.phase = "forward"  # the step's phase ("forward": forward and backward), set by the planner
+        # the same tallies of the forward and backward alone (Note [step work]): products, memory, ops
+        self.forward_backward: tuple[dict, dict, list[int]] = ({}, {}, [0])
         self.comm: dict[tuple[str, int], list[int]] = {}  # (kind, group size) -> [calls, bytes handed]
         # (op, its arguments' specs) -> [calls, FLOPs of one call, bytes of one]: what parallel.cost replays
         self.calls: dict[tuple, list[int]] = {}
@@ -114,23 +122,26 @@ class Work(TorchDispatchMode):
         return result
 
     def _op(self, func, args, kwargs, out, distributed: bool) -> None:
-        self.ops += 1
         self.dtensor_ops += distributed
         f = formula(func)
         flops = f(*args, **kwargs, out_val=out) if f is not None else 0
-        moved = 0
-        if flops:
-            row = self.products.setdefault(size_class(flops), [0, 0])
-            row[0] += 1
-            row[1] += flops
-        elif not func.is_view:
-            inputs = _tensors((args, kwargs))
-            # an in-place op writes what it read (its output is one of its inputs): counted again
-            moved = _nbytes(inputs) + _nbytes(_tensors(out))
-            if moved:
-                row = self.memory.setdefault(byte_class(moved), [0, 0])
+        # an in-place op writes what it read (its output is one of its inputs): counted again
+        moved = 0 if flops or func.is_view else _nbytes(_tensors((args, kwargs))) + _nbytes(_tensors(out))
+        tallies = [(self.products, self.memory, None)]
+        if self.phase == "forward":
+            tallies.append(self.forward_backward)
+        for products, memory, ops in tallies:
+            if ops is not None:
+                ops[0] += 1
+            if flops:
+                row = products.setdefault(size_class(flops), [0, 0])
+                row[0] += 1
+                row[1] += flops
+            elif moved:
+                row = memory.setdefault(byte_class(moved), [0, 0])
                 row[0] += 1
                 row[1] += moved
+        self.ops += 1
         try:
             key = (func, spec(args), spec(kwargs))
             hash(key)
@@ -161,7 +172,12 @@ class Work(TorchDispatchMode):
 
     def as_dict(self, steps: int = 1) -> dict:
         """The work of one step, of the `steps` counted (JSON: string keys)."""
-        return {"products": {str(s): [c // steps, f // steps] for s, (c, f) in sorted(self.products.items())},
-                "memory": {str(s): [c // steps, b // steps] for s, (c, b) in sorted(self.memory.items())},
+        def per_step(rows: dict) -> dict:
+            return {str(s): [c // steps, n // steps] for s, (c, n) in sorted(rows.items())}
+
+        products, memory, ops = self.forward_backward
+        return {"products": per_step(self.products), "memory": per_step(self.memory),
                 "ops": self.ops // steps, "dtensor_ops": self.dtensor_ops // steps,
+                "forward_backward": {"products": per_step(products), "memory": per_step(memory),
+                                     "ops": ops[0] // steps},
                 "comm": {f"{k}/{w}": [c // steps, b // steps] for (k, w), (c, b) in sorted(self.comm.items())}}

@@ -403,19 +403,24 @@ def _count_step(run, step: int, counters, by_module: bool, cuda: CudaAccount | N
         stack.enter_context(tracker)
         if cuda is not None:
             stack.enter_context(cuda.autocast_as_on_cuda())
-        _phased_step(run, tracker, step)
+        _phased_step(run, [tracker, *(c for c in counters if isinstance(c, Work))], step)
     return tracker, modules
 
 
-def _phased_step(run, tracker, step: int) -> None:
-    """parallel.trainer.train_step, with the tracker (any object with a `phase`) told which phase runs."""
-    tracker.phase = "data"
+def _phased_step(run, told: list, step: int) -> None:
+    """parallel.trainer.train_step, with each of `told` (the tracker, the step's Work: objects with a `phase`)
+    told which phase runs."""
+    def phase(name: str) -> None:
+        for t in told:
+            t.phase = name
+
+    phase("data")
     x, y = run.data.batch(step, run.device)  # inside the count, as in the trainer's measured step
-    tracker.phase = "forward"  # backward is told apart while it runs (autograd's graph task)
+    phase("forward")  # backward is told apart while it runs (autograd's graph task)
     run.engine.forward_backward(x, y)
-    tracker.phase = "clip"
+    phase("clip")
     run.engine.clip(run.cfg.trainer.clip_grad_norm)
-    tracker.phase = "optimizer"
+    phase("optimizer")
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
 

@@ -50,6 +50,14 @@ def test_work_sorts_products_memory_views_and_ops():
     assert out["memory"] == {"65536": [2, 3 * 64 * 64 * 4 * 2]}
     assert out["ops"] == 4 and out["comm"] == {}
     assert w.as_dict(steps=2)["products"] == {"64": [0, 64 ** 3]}
+    # forward and backward (the phase the planner calls "forward") tallied again apart from the rest
+    assert out["forward_backward"] == {"products": out["products"], "memory": out["memory"], "ops": 4}
+    w.phase = "optimizer"
+    with w:
+        a.add_(b)
+    after = w.as_dict()
+    assert after["ops"] == 5 and after["forward_backward"]["ops"] == 4
+    assert after["forward_backward"]["memory"] == out["memory"] != after["memory"]
 
 
 def _planned(**strategy):
@@ -90,6 +98,37 @@ def test_pricing_is_the_stated_sum():
     # in a step: x comm_scale, + call_s an all-gather or reduce-scatter, + sync_s any other call or send
     in_step = _cal(comm_scale=2.0, call_s=3e-3, sync_s=1e-3)
     assert comm_time(work, in_step) == pytest.approx(2 * alone + 3e-3 + 3 * 1e-3)
+
+
+def test_a_pipeline_s_bubble_is_the_other_stages_forward_and_backward():
+    from types import SimpleNamespace
+
+    from parallel.strategies.pipeline.schedules import analytic_bubble
+
+    cfg = Config()
+    cfg.strategy.name, cfg.strategy.pp, cfg.strategy.microbatches = "pipeline", 2, 2
+    cfg.strategy.schedule, cfg.strategy.stages_per_rank = "1F1B", 1
+    cal = _cal(step_s=0.0)
+    b = analytic_bubble("1F1B", 2, 1, 2)
+    assert b / (1 - b) == pytest.approx(0.5)
+
+    def role(fb_flops: float, after_flops: float):
+        fb = {"products": {"256": [1, fb_flops]}, "memory": {}, "ops": 0}
+        work = {"products": {"256": [2, fb_flops + after_flops]}, "memory": {}, "ops": 0, "comm": {},
+                "forward_backward": fb}
+        return SimpleNamespace(work=work, calls={}, io_bytes=0)
+
+    # equal stages, all of their compute in forward and backward: the schedule's own share, b / (1 - b)
+    t = step_times(cfg, [role(16e9, 0), role(16e9, 0)], cal, 2)
+    assert t["compute"] == pytest.approx(1.0) and t["bubble"] == pytest.approx(0.5)
+    # the slowest stage (1.5 s) waits for the other's forward and backward (0.5 s), not for its own; the
+    # optimizer's part (after the schedule) makes no bubble
+    t = step_times(cfg, [role(8e9, 8e9), role(24e9, 0)], cal, 2)
+    assert t["compute"] == pytest.approx(1.5) and t["bubble"] == pytest.approx(0.5 * 0.5)
+    # a work without its forward and backward recorded: all of its compute
+    old = role(8e9, 8e9)
+    del old.work["forward_backward"]
+    assert step_times(cfg, [old, role(24e9, 0)], cal, 2)["bubble"] == pytest.approx(0.5 * 1.0)
 
 
 def test_fit_recovers_latency_and_bandwidth():
