@@ -29,7 +29,8 @@ For each rank role the planner gives the work of one step; its time is
                (parallel.strategies.pipeline.schedules.analytic_bubble). The
                slowest rank waits for the others' first microbatches, not for
                its own: with equal stages this is b / (1 - b) x its own
-               compute; with a slow stage (a language model's head) it is less.
+               forward and backward; with a slow stage (a language model's
+               head) it is less.
                Clipping and the optimizer's step run after the schedule and
                make no bubble (Note [step work]: forward_backward). Measured,
                the 125M Llama of benchmarks/hf.py on 2 ranks here (stage
