@@ -96,6 +96,18 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _tally(products: dict, memory: dict, flops: int, moved: int) -> None:
+    """One op into its product size class (by FLOPs) or its byte class (by bytes moved; a view moves none)."""
+    if flops:
+        row = products.setdefault(size_class(flops), [0, 0])
+        row[0] += 1
+        row[1] += flops
+    elif moved:
+        row = memory.setdefault(byte_class(moved), [0, 0])
+        row[0] += 1
+        row[1] += moved
+
+
 class Work(TorchDispatchMode):
     """The work of the ops dispatched while active, sorted as Note [step work] says."""
 
@@ -127,21 +139,12 @@ class Work(TorchDispatchMode):
         flops = f(*args, **kwargs, out_val=out) if f is not None else 0
         # an in-place op writes what it read (its output is one of its inputs): counted again
         moved = 0 if flops or func.is_view else _nbytes(_tensors((args, kwargs))) + _nbytes(_tensors(out))
-        tallies = [(self.products, self.memory, None)]
-        if self.phase == "forward":
-            tallies.append(self.forward_backward)
-        for products, memory, ops in tallies:
-            if ops is not None:
-                ops[0] += 1
-            if flops:
-                row = products.setdefault(size_class(flops), [0, 0])
-                row[0] += 1
-                row[1] += flops
-            elif moved:
-                row = memory.setdefault(byte_class(moved), [0, 0])
-                row[0] += 1
-                row[1] += moved
         self.ops += 1
+        _tally(self.products, self.memory, flops, moved)
+        if self.phase == "forward":
+            products, memory, ops = self.forward_backward
+            ops[0] += 1
+            _tally(products, memory, flops, moved)
         try:
             key = (func, spec(args), spec(kwargs))
             hash(key)
