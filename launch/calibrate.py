@@ -128,10 +128,13 @@ def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
                          f"(compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, comm "
                          f"{t['comm'] * 1e3:.1f}; {hooked} all-gathers and reduce-scatters, {other} other "
                          f"collectives and sends)")
-    # relative errors: each run's excess weighed alike
+    # relative errors: each run's excess weighed alike; a run no slower than its predicted compute (the
+    # compute's error larger than its collectives) tells nothing of them and is left out
+    kept = [(row, y) for row, y in zip(rows, target) if y > 0]
     cal.comm_scale, cal.call_s, cal.sync_s = \
-        nnls([[a / y, b / y, c / y] for (a, b, c), y in zip(rows, target)], [1.0] * len(rows)) \
-        if rows and all(y > 0 for y in target) else (1.0, 0.0, 0.0)
+        nnls([[a / y, b / y, c / y] for (a, b, c), y in kept], [1.0] * len(kept)) if kept else (1.0, 0.0, 0.0)
+    lines += [f"left out of the fit: {len(rows) - len(kept)} run(s) no slower than their predicted compute"] \
+        if len(kept) < len(rows) else []
     return lines
 
 

@@ -14,18 +14,25 @@ they share are in every figure), and each measures:
     memory     seconds per byte of an elementwise op (read two, write one, a
                new output each call) of each byte class, 4 KiB to 256 MiB by
                16x, less the time of the smallest such op (its dispatch)
-    steps      8 reference training steps (plain torch MLPs and a small
-               transformer; forward, backward, clipping, AdamW) and their
-               work: products_scale, memory_scale (what ops cost in a step
+    steps      9 reference training steps (plain torch MLPs and a small
+               transformer; forward, backward, clipping, AdamW), all
+               processes stepping together, and their work:
+               products_scale, memory_scale (what ops cost in a step
                beyond what they cost alone: caches, new allocations,
-               GELU's arithmetic), op_s (per op) and step_s (per step) fitted
-               to them, least squares of the relative error, non-negative;
-               and on a CPU the replay scale: each step's op calls timed one
-               by one (parallel.replay, every process replaying while the
-               others do, as they timed their steps together), their sum
-               fitted to the steps' time less step_s (a call repeated alone
-               finds its operands in the caches: the steps took 1.2-2.4x
-               their calls here)
+               GELU's arithmetic), op_s (per op) and step_s (per step)
+               fitted to them, least squares of the relative error,
+               non-negative; and on a CPU the replay scale: each step's op
+               calls timed one by one by one process alone, as
+               launch/plan.py times a plan's (parallel.replay, each call
+               over operand sets that span the step's bytes times the
+               processes, as the plan's are), their sum fitted to the
+               steps' time less step_s as replay_scale x the calls +
+               replay_op_s x the ops (autograd's and the optimizer's
+               Python per call). The steps took 1.2-2.4x their calls timed
+               on one set of operands, repeated alone; over such sets,
+               0.94-1.49x for the six larger steps in three calibrations
+               (0.94-1.00x in one), the three small ones 1.3-2.0x (their
+               Python)
     dtensor    what DTensor's own dispatch adds to an op (sharding
                propagation, unwrapping, wrapping): a few small ops on
                sharded DTensors less the same ops on their local tensors
@@ -119,6 +126,7 @@ class Calibration:
     # that measured them), fitted to the same reference steps (Note [calibration]): a step's operands are not in
     # the caches the way a call repeated alone finds them.
     replay_scale: float = 1.0
+    replay_op_s: float = 0.0  # and a time per op call beyond it: autograd's and the optimizer's Python
     # Collectives inside a training step, fitted to the framework's own runs (launch/calibrate.py, Note
     # [calibration]): a factor on their measured time (the workers' threads take the cores the collectives'
     # own threads need) and a time per all-gather and reduce-scatter (FSDP2's: async hand-offs, its hooks).
@@ -318,34 +326,48 @@ def _reference(kind: str, width: int, depth: int, batch: int, device: torch.devi
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def resident() -> int:  # the bytes a step keeps touching: weights, their gradients, AdamW's state, the batch
+        weights = sum(p.nbytes for p in model.parameters())
+        state = sum(t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        return 2 * weights + state + x.nbytes + y.nbytes
+
+    step.resident = resident
     return step
 
 
 # The reference steps the compute terms are fitted to: (kind, width, depth, batch), from dispatch-bound to
-# product-bound and memory-bound (the optimizer's step over many weights).
+# product-bound and memory-bound (the optimizer's step over many weights), the last beyond a 32 MiB cache.
 REFERENCES = (("mlp", 16, 2, 4), ("mlp", 64, 8, 16), ("mlp", 256, 4, 64), ("mlp", 512, 4, 16),
-              ("mlp", 512, 2, 512), ("mlp", 1024, 2, 32), ("transformer", 64, 2, 8), ("transformer", 128, 2, 16))
+              ("mlp", 512, 2, 512), ("mlp", 1024, 2, 32), ("transformer", 64, 2, 8), ("transformer", 128, 2, 16),
+              ("mlp", 1024, 6, 64))
 
 
 def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3,
-                  products: dict[str, float] | None = None, together=lambda: None) -> list[tuple[dict, float, dict]]:
+                  products: dict[str, float] | None = None, together=lambda: None, replay: bool = True,
+                  share: float = 1.0, workers: int = 1) -> list[tuple[dict, float, dict | None]]:
     """(the work of one step, Note [step work]; its measured seconds; its op calls timed one by one,
-    parallel.replay: {"products", "memory"} seconds) for each reference step. `products`: the rates just
-    measured, which the replay's probe is held to (parallel.replay.Replay). `together`: called before each
-    step is timed and before it is replayed (launch/calibrate.py's processes: a barrier, so that each times
-    its steps while the others time theirs, as a run's workers step together, and replays while they do)."""
+    parallel.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step.
+    `products`: the rates just measured, which the replay's probe is held to as parallel.cost holds a
+    plan's (x `share`, the threads per core they were measured with). `together`: called before each step
+    is timed and around the replays (launch/calibrate.py's processes: a barrier, so that each times its
+    steps while the others time theirs, as a run's workers step together; then one process replays the
+    steps alone, as launch/plan.py replays a plan's calls, while the others wait); `workers`: the processes
+    whose steps share this machine's caches (each call replayed over operands spanning their bytes, as
+    parallel.cost replays a plan's)."""
     out = []
-    replay = Replay(device, probe_s=probe_seconds(products[str(PROBE)]) if products else None)
     for ref in references:
         step = _reference(*ref, device)
         step()
         with Work() as work:
             step()
         together()
-        measured = _timed(step, device, seconds, least=3, batches=3)
-        together()
-        out.append((work.as_dict(), measured, replay.price(work.calls, None)))
-    return out
+        out.append((work, _timed(step, device, seconds, least=3, batches=3), step.resident() * workers))
+    together()
+    rate = products[str(PROBE)] * share if products else None
+    player = Replay(device, probe_s=probe_seconds(rate) if rate else None) if replay else None
+    timed = [player.price(work.calls, None, span=span) if player else None for work, _, span in out]
+    together()
+    return [(work.as_dict(), measured, t) for (work, measured, _), t in zip(out, timed)]
 
 
 def nnls(rows: list[list[float]], target: list[float]) -> list[float]:
@@ -386,15 +408,18 @@ def fit_steps(cal: "Calibration", samples: list[tuple[dict, float, dict]]) -> No
 
 
 def fit_replay(cal: "Calibration", samples: list[tuple[dict, float, dict]]) -> None:
-    """cal.replay_scale: x the step's op calls timed one by one = its time less step_s, least squares of the
-    relative error over the steps; left at 1 where no step took longer than step_s. One factor for products
-    and other calls alike: two, fitted to eight steps whose products and other calls grow together, came out
-    1.0-1.6 (products) and 0.6-2.0 (other calls) over eight calibrations made here within an hour."""
-    usable = [(seconds - cal.step_s, timed["products"] + timed["memory"]) for _, seconds, timed in samples
-              if seconds > cal.step_s and timed["products"] + timed["memory"] > 0]
-    if usable:  # minimizes sum (scale x r - 1)^2 over r = timed / t
-        ratios = [timed / t for t, timed in usable]
-        cal.replay_scale = sum(ratios) / sum(r * r for r in ratios)
+    """cal.replay_scale and cal.replay_op_s: a step's time less step_s = replay_scale x its op calls timed one
+    by one + replay_op_s x its ops (what autograd and the optimizer's Python add to each call), least squares
+    of the relative error over the steps, non-negative; left at 1 and 0 where no step took longer than step_s.
+    One factor for products and other calls alike: two, fitted to eight steps whose products and other calls
+    grow together, came out 1.0-1.6 (products) and 0.6-2.0 (other calls) over eight calibrations made here
+    within an hour."""
+    usable = [(seconds - cal.step_s, timed["products"] + timed["memory"], work["ops"])
+              for work, seconds, timed in samples if seconds > cal.step_s and timed["products"] + timed["memory"] > 0]
+    if usable:
+        scale, per_op = nnls([[timed / t, ops / t] for t, timed, ops in usable], [1.0] * len(usable))
+        if scale > 0:
+            cal.replay_scale, cal.replay_op_s = scale, per_op
 
 
 def _group_up() -> bool:

@@ -145,7 +145,9 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool
         dist.barrier()
         products = measure_products(device)
         memory = measure_memory(device)
-        steps = measure_steps(device, products=products, together=dist.barrier)
+        steps = measure_steps(device, products=products, together=dist.barrier, replay=rank == 0,
+                              share=max(1.0, world * torch.get_num_threads() / cores()) if not use_cuda else 1.0,
+                              workers=world)
         dtensor_op = measure_dtensor_op(device)
         dist.barrier()
         comm = measure_comm(rank, world, device) if world > 1 else {}
@@ -179,8 +181,8 @@ def calibrate(world: int, use_cuda: bool) -> Calibration:
                       dtensor_op_s=statistics.fmean(r["dtensor_op_s"] for r in ranks),
                       made=f"launch/calibrate.py on {platform.node()}, "
                            f"{datetime.datetime.now().isoformat(timespec='seconds')}")
-    # every rank's reference steps, each step's time the mean over the ranks (they ran at once)
-    fit_steps(cal, [(work, statistics.fmean(r["steps"][i][1] for r in ranks),
-                     {k: statistics.fmean(r["steps"][i][2][k] for r in ranks) for k in timed})
+    # every rank's reference steps, each step's time the mean over the ranks (they ran at once); the calls
+    # as rank 0 replayed them alone
+    fit_steps(cal, [(work, statistics.fmean(r["steps"][i][1] for r in ranks), timed)
                     for i, (work, _, timed) in enumerate(ranks[0]["steps"])])
     return cal

@@ -9,10 +9,15 @@ For each rank role the planner gives the work of one step; its time is
                its arguments' shapes, strides and dtypes; a DTensor op as
                the rank runs it, on its local shards) run here on real
                tensors and timed (parallel.replay), x how often the step
-               makes it, x the replay scale fitted to launch/calibrate.py's
-               reference steps (a call repeated alone finds its operands in
-               the caches, a step does not; 1 without such a file); a call
-               that cannot run without real values is priced as below.
+               makes it. On a CPU each call is timed over operand sets that
+               span the step's bytes (weights, gradients, optimizer state,
+               activations) times the machine's workers, up to twice the
+               last-level cache: a step that passes the cache finds its
+               operands evicted, as a call repeated on one set does not.
+               Their sum x the replay scale, + the replay's time per op,
+               both fitted to launch/calibrate.py's reference steps (1 and
+               0 without such a file); a call that cannot run without real
+               values is priced as below.
                Otherwise, priced with the calibration's rates: sum over the
                product size classes of FLOPs / the class's rate, plus the
                bytes other ops move x the seconds per byte of their class,
@@ -47,14 +52,15 @@ For each rank role the planner gives the work of one step; its time is
 
 Timing the calls replaces a model of kernels (how fast a product of this
 shape runs, what GELU costs) with the kernels themselves; what they cost
-inside a step beyond that (operands evicted by the rest of the step, the
-allocator, autograd's bookkeeping) is the replay scale: the reference steps
-of parallel.calibration took 1.2-2.4x the sum of their calls timed alone
-here (the most where large weights meet small batches); a scale fitted to
-them brings other steps closer (two, for the products and the rest, brought
-five other steps from 19-43% low to within 10% once, but came out far apart
-from one calibration to the next). On the CPU the workers' threads take every core, so
-communication does not overlap compute: the terms add. On GPUs they
+inside a step beyond that is the operands' place (in the cache or not: the
+operand sets), and the allocator's and autograd's bookkeeping (the replay
+scale and time per op). The reference steps of parallel.calibration took
+1.2-2.4x the sum of their calls timed on one set of operands here (the most
+where large weights meet small batches), 0.94-1.49x over sets that span
+them; the 125M Llama of benchmarks/hf.py at batch 2, two processes stepping
+at once, 2.5-3.1 s against 2.58 s of calls over such sets (2.38 s on one
+set). On the CPU the workers' threads take every core, so communication
+does not overlap compute: the terms add. On GPUs they
 would (DDP's buckets with backward, FSDP2's prefetch, a pipeline's sends):
 the model adds them there too, an upper bound until it is measured on one. It
 leaves out: the first steps' warm-up, the Python of hooks (FSDP2's, DDP's)
@@ -219,10 +225,11 @@ def step_times(cfg: Config, plans: list, cal: Calibration, world: int, disk: flo
     def compute(p) -> dict[str, float]:
         if replay is None or not p.calls:
             return compute_parts(p.work, cal, factor)
-        timed = replay.price(p.calls, cal)
+        # the workers of this machine share its caches: their steps' bytes together (Note [cost model])
+        timed = replay.price(p.calls, cal, span=(p.params + p.grads + p.optimizer + p.activations) * world)
         return {"products": timed["products"] * cal.replay_scale * factor,
                 "memory": timed["memory"] * cal.replay_scale * factor,
-                "ops": (dtensor_time(p.work, cal) + cal.step_s) * factor}
+                "ops": (p.work["ops"] * cal.replay_op_s + dtensor_time(p.work, cal) + cal.step_s) * factor}
 
     rows = [(compute(p), comm_time(p.work, cal), p) for p in plans]
     parts, comm, worst = max(rows, key=lambda r: sum(r[0].values()) + r[1])
@@ -243,8 +250,8 @@ def describe(cal: Calibration) -> str:
     big = max(cal.products, key=int)
     return (f"{cal.made}: {cal.device}, {cal.world} process(es) x {cal.threads} thread(s) on {cal.cores} cores; "
             f"products {cal.products[big] / 1e9:.1f} GFLOP/s at {big}, {cal.op_s * 1e6:.1f} us per op, "
-            f"{cal.dtensor_op_s * 1e6:.1f} us more on DTensors, op calls timed alone x {cal.replay_scale:.2f} in a "
-            f"step"
+            f"{cal.dtensor_op_s * 1e6:.1f} us more on DTensors, op calls timed alone x {cal.replay_scale:.2f} + "
+            f"{cal.replay_op_s * 1e6:.1f} us in a step"
             + (f", all-reduce {cal.comm[k][1] / 1e9:.2f} GB/s" if (k := next(
                 (k for k in cal.comm if k.startswith("allreduce/")), None)) else "")
             + (f", collectives in a step x {cal.comm_scale:.2f} + {cal.call_s * 1e3:.2f} ms an all-gather or "

@@ -98,3 +98,19 @@ def worker_threads(local_workers: int) -> int | None:
     if os.environ.get("OMP_NUM_THREADS") or local_workers <= 1:
         return None
     return max(1, torch.get_num_threads() // local_workers)
+
+
+def last_level_cache(default: int = 32 << 20) -> int:
+    """Bytes of the CPU's largest cache (Linux's sysfs: the highest cache index of cpu0), else `default`."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        sizes = []
+        for entry in os.listdir(base):
+            if entry.startswith("index"):
+                with open(os.path.join(base, entry, "size")) as f:
+                    text = f.read().strip()
+                sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
+                             if text[-1] in "KMG" else int(text))
+        return max(sizes) if sizes else default
+    except (OSError, ValueError):
+        return default

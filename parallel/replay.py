@@ -3,11 +3,13 @@ parallel.cost prices a step with when the run computes here (Note [cost model]),
 parallel.calibration fits its replay scale with (Note [calibration])."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
 import torch
 
+from parallel.hardware import last_level_cache
 from parallel.plan_work import byte_class, size_class
 
 
@@ -32,6 +34,20 @@ def _real(spec, device: torch.device):
     # A device the plan names (its own, the CPU, when it plans a CUDA run there: autocast's casts, factory
     # ops) is the replay's: a copy to it would otherwise time a transfer to host memory the run never makes.
     return device if isinstance(spec[1], torch.device) else spec[1]
+
+
+def _nbytes(spec) -> int:
+    """Bytes of the tensors an argument description makes (`_real`)."""
+    kind = spec[0] if spec else None
+    if kind == "tensor":
+        _, shape, stride, offset, dtype = spec
+        need = offset + (1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0)
+        return max(need, 1) * dtype.itemsize
+    if kind in ("list", "tuple"):
+        return sum(_nbytes(v) for v in spec[1:])
+    if kind == "dict":
+        return sum(_nbytes(v) for _, v in spec[1:])
+    return 0
 
 
 PROBE = 128  # the side of the probe product (Replay's `probe_s`)
@@ -59,14 +75,22 @@ class Replay:
             a probe product is timed too, and the call's time taken at the speed the probe then had (here a
             256 x 256 product took 330-460 us from one second to the next on an idle machine, and one plan's
             calls came out twice as slow as the same calls in the next plan). None: as timed.
+
+    On a CPU a call is timed on its operands as the step finds them (Note [cost model]): over `copies` sets
+    of operands in turn that together span the step's bytes (weights, gradients, optimizer state,
+    activations, of every worker sharing the last-level cache), up to twice that cache. A step the cache
+    holds finds them there, not in the caches closer to the core, where a call repeated on one set does; a
+    step that passes it finds them evicted by the rest of the step.
     """
 
     BATCH_S = 2e-4  # the shortest batch of repeats timed for one sample of a short call
+    COPIES = 64  # the most operand sets a call is timed over
 
     def __init__(self, device: torch.device, threads: int | None = None, probe_s: float | None = None):
         self.device, self.threads = device, threads
         self.probe_s = probe_s if device.type == "cpu" else None
-        self.seconds: dict[tuple, float | None] = {}  # call -> seconds (None: could not run here)
+        self.seconds: dict[tuple, float | None] = {}  # (call, copies) -> seconds (None: could not run here)
+        self.cache = last_level_cache() if device.type == "cpu" else 0
         self._probe = torch.ones(PROBE, PROBE, device=device) if self.probe_s else None
 
     def _speed(self) -> float:
@@ -77,36 +101,49 @@ class Replay:
         now = min(_once(lambda: self._probe @ self._probe) for _ in range(3))
         return min(4.0, max(0.25, now / self.probe_s))
 
-    def _time(self, key: tuple) -> float | None:
+    def copies(self, key: tuple, span: int) -> int:
+        """How many operand sets a call is timed over in a step of `span` bytes: as many as span (up to twice
+        the last-level cache) holds, 1 to COPIES; 1 off the CPU."""
+        if not self.cache:
+            return 1
+        size = max(1, _nbytes(key[1]) + _nbytes(key[2]))
+        return max(1, min(self.COPIES, math.ceil(min(span, 2 * self.cache) / size)))
+
+    def _time(self, key: tuple, copies: int = 1) -> float | None:
         """Seconds of one call: the median of three batches, each of at least `BATCH_S` of calls (one call
-        where a call is longer), after a warm-up call. A call shape stands for every time the step makes
-        it (96 times a step for a small pipeline's products), so one sample's error, a moment when another
-        process takes the core, would be multiplied by that."""
+        where a call is longer), after a warm-up call. A call shape stands for every time the step makes it
+        (96 times a step for a small pipeline's products), so one sample's error, a moment when another
+        process takes the core, would be multiplied by that. Over `copies` operand sets: warmed on the set
+        made last (in the cache), then each call on the next set from the first made (evicted by the rest,
+        when they pass the cache)."""
         func, args, kwargs = key
         try:
-            a, k = _real(args, self.device), _real(kwargs, self.device)
+            sets = [(_real(args, self.device), _real(kwargs, self.device)) for _ in range(copies)]
             sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-            func(*a, **k)  # warm: the kernel's first call allocates and picks its path
+            func(*sets[-1][0], **sets[-1][1])  # warm: the kernel's first call allocates and picks its path
             sync()
             t0 = time.perf_counter()
-            func(*a, **k)
+            func(*sets[0][0], **sets[0][1])
             sync()
             once = time.perf_counter() - t0
             reps = max(1, min(50, int(self.BATCH_S / max(once, 1e-7))))
-            batches = [once]
+            batches, turn = [once], 1
             for _ in range(2):
                 t0 = time.perf_counter()
                 for _ in range(reps):
+                    a, k = sets[turn % copies]
                     func(*a, **k)
+                    turn += 1
                 sync()
                 batches.append((time.perf_counter() - t0) / reps)
             return statistics.median(batches) / self._speed()
         except Exception:  # noqa: BLE001 - a call that needs real values (or another device): priced by class
             return None
 
-    def price(self, calls: dict, cal) -> dict[str, float]:
+    def price(self, calls: dict, cal, span: int = 0) -> dict[str, float]:
         """Seconds of a role's calls: those with FLOPs ("products") and the rest ("memory"); a call that
-        cannot run here is priced by its class with `cal`'s rates (Note [step work]; None: left out)."""
+        cannot run here is priced by its class with `cal`'s rates (Note [step work]; None: left out). `span`:
+        the bytes the step's operands spread over in the cache (0: each call's own, as repeated alone)."""
         before = torch.get_num_threads()
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -114,9 +151,10 @@ class Replay:
         try:
             with torch.no_grad():
                 for key, (n, flops, moved) in calls.items():
-                    if key not in self.seconds:
-                        self.seconds[key] = self._time(key)
-                    t = self.seconds[key]
+                    timed = (key, self.copies(key, span))
+                    if timed not in self.seconds:
+                        self.seconds[timed] = self._time(*timed)
+                    t = self.seconds[timed]
                     if t is None and cal is None:
                         continue
                     if t is None:

@@ -152,7 +152,7 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
     assert f"written: {cal}" in out and "2 process(es)" in out
     rates = json.loads(cal.read_text())
     assert rates["world"] == 2 and rates["threads"] >= 1 and rates["op_s"] > 0 and rates["dtensor_op_s"] > 0
-    assert rates["replay_scale"] > 0
+    assert rates["replay_scale"] > 0 and rates["replay_op_s"] >= 0
     assert {f"{k}/2" for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")} == \
         set(rates["comm"]) and all(bw > 0 and lat >= 0 for lat, bw in rates["comm"].values())
     out = plan(["strategy=data", "strategy.zero=3", "world_size=2", f"plan.calibration={cal}", f"run_dir={tmp_path}"],

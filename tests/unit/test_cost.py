@@ -12,6 +12,7 @@ from parallel.calibration import Calibration, fit_replay, measure_dtensor_op, qu
 from parallel.calibration_runs import _fit, fit_comm
 from parallel.config import Config, ConfigError
 from parallel.cost import comm_time, compute_time, load, step_times
+from parallel.hardware import last_level_cache
 from parallel.models.build import build_meta_model
 from parallel.plan_work import Work, byte_class, ddp_calls, size_class, spec
 from parallel.planner import plan
@@ -171,13 +172,54 @@ def test_comm_fits_average_the_ranks_and_take_a_send_s_receiver():
 
 
 def test_the_replay_scale_fits_what_steps_take_beyond_their_calls_timed_alone():
+    """A step = step_s + replay_scale x its calls timed alone + replay_op_s x its ops."""
     cal = _cal(step_s=1e-4)
-    timed = [{"products": p, "memory": m} for p, m in ((1e-3, 1e-3), (4e-3, 1e-3), (1e-3, 5e-3), (2e-3, 2e-3))]
-    fit_replay(cal, [({}, 1e-4 + 1.5 * (t["products"] + t["memory"]), t) for t in timed])
-    assert cal.replay_scale == pytest.approx(1.5)
+    steps = ((1e-3, 1e-3, 100), (4e-3, 1e-3, 50), (1e-3, 5e-3, 400), (2e-3, 2e-3, 10))
+    fit_replay(cal, [({"ops": ops}, 1e-4 + 1.5 * (p + m) + 3e-6 * ops, {"products": p, "memory": m})
+                     for p, m, ops in steps])
+    assert cal.replay_scale == pytest.approx(1.5) and cal.replay_op_s == pytest.approx(3e-6)
     untouched = _cal()
-    fit_replay(untouched, [({}, 0.5e-4, {"products": 1e-3, "memory": 0.0})] * 2)  # no step beyond step_s
-    assert untouched.replay_scale == 1.0
+    fit_replay(untouched, [({"ops": 5}, 0.5e-4, {"products": 1e-3, "memory": 0.0})] * 2)  # no step beyond step_s
+    assert untouched.replay_scale == 1.0 and untouched.replay_op_s == 0.0
+
+
+def test_replay_spreads_a_call_over_operand_sets_that_span_the_step():
+    """A call is timed over as many operand sets as the step's bytes hold (up to twice the last-level cache, at
+    most COPIES), each call on the next; without a span, and on a GPU, on one set."""
+    seen = []
+
+    def touch(x):
+        seen.append(x.data_ptr())
+
+    key = (touch, ("tuple", ("tensor", (16, 1024), (1024, 1), 0, torch.float32)), ("dict",))  # 64 KiB
+    replay = Replay(torch.device("cpu"))
+    replay.cache = 1 << 20
+    assert replay.copies(key, 0) == 1 and replay.copies(key, 256 << 10) == 4 and replay.copies(key, 1 << 30) == 32
+    replay.price({key: [3, 0, 64 << 10]}, None, span=256 << 10)
+    assert len(set(seen)) == 4 and seen[0] != seen[1]  # warmed on one set, timed from the next
+    seen.clear()
+    replay.price({key: [3, 0, 64 << 10]}, None)  # no span: as repeated alone
+    assert len(set(seen)) == 1 and set(replay.seconds) == {(key, 4), (key, 1)}
+    replay.cache = 1 << 30
+    assert replay.copies(key, 1 << 40) == Replay.COPIES
+    assert Replay(torch.device("meta")).copies(key, 1 << 40) == 1
+
+
+def test_a_replayed_step_spans_its_workers_bytes_and_pays_a_time_per_op():
+    cfg, (zero0,) = _planned(name="data", zero=0)
+    replay = Replay(torch.device("cpu"))
+    spans = []
+    price = replay.price
+    replay.price = lambda calls, cal, span=0: spans.append(span) or price(calls, cal, span=span)
+    base = step_times(cfg, [zero0], _cal(), 2, replay=replay)
+    assert spans == [(zero0.params + zero0.grads + zero0.optimizer + zero0.activations) * 2]  # both workers'
+    per_op = step_times(cfg, [zero0], _cal(replay_op_s=1e-5), 2, replay=replay)
+    assert per_op["ops"] == pytest.approx(base["ops"] + zero0.work["ops"] * 1e-5)
+    assert per_op["products"] == base["products"] and per_op["memory"] == base["memory"]  # timed once
+
+
+def test_the_cache_size_is_read():
+    assert last_level_cache() > 0 and last_level_cache(default=123) in (123, last_level_cache())
 
 
 def test_replay_takes_a_call_at_the_speed_the_machine_was_calibrated_at(monkeypatch):
@@ -249,11 +291,11 @@ def test_replay_times_each_distinct_call_once_and_prices_the_rest_by_class():
     replay = Replay(torch.device("cpu"))
     t = replay.price(calls, _cal())
     assert len(replay.seconds) == len(calls) and all(s is not None and s > 0 for s in replay.seconds.values())
-    assert t["products"] == pytest.approx(3 * replay.seconds[mm]) and t["memory"] > 0
+    assert t["products"] == pytest.approx(3 * replay.seconds[mm, 1]) and t["memory"] > 0  # (call, operand sets)
     # a call that cannot run here (an index out of range needs real values) is priced by its class
     bad = (torch.ops.aten.select.int, (("tensor", (2,), (1,), 0, torch.float32), ("value", 0), ("value", 5)), ())
     assert replay.price({bad: [1, 0, 8]}, _cal()) == {"products": 0.0, "memory": pytest.approx(8 * 1e-10 + 1e-6)}
-    assert replay.seconds[bad] is None
+    assert replay.seconds[bad, 1] is None
 
 
 def test_replay_makes_every_tensor_and_named_device_on_its_own_device():
