@@ -13,6 +13,11 @@ from parallel.hardware import last_level_cache
 from parallel.plan_work import byte_class, size_class
 
 
+def _elements(shape, stride, offset: int) -> int:
+    """Elements of the storage a tensor of this shape, strides and offset needs (at least one)."""
+    return max(offset + (1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0), 1)
+
+
 def _real(spec, device: torch.device):
     """A real argument made from its description (parallel.plan_work.spec): tensors of the shape, strides,
     offset and dtype, floating ones in [0.5, 1.5) (no square root of a negative, nothing that shrinks to
@@ -20,8 +25,7 @@ def _real(spec, device: torch.device):
     kind = spec[0]
     if kind == "tensor":
         _, shape, stride, offset, dtype = spec
-        need = offset + (1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0)
-        base = torch.empty(max(need, 1), dtype=dtype, device=device)
+        base = torch.empty(_elements(shape, stride, offset), dtype=dtype, device=device)
         base.uniform_(0.5, 1.5) if dtype.is_floating_point or dtype.is_complex else base.zero_()
         return base.as_strided(shape, stride, offset)
     if kind in ("list", "tuple"):
@@ -41,8 +45,7 @@ def _nbytes(spec) -> int:
     kind = spec[0] if spec else None
     if kind == "tensor":
         _, shape, stride, offset, dtype = spec
-        need = offset + (1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0)
-        return max(need, 1) * dtype.itemsize
+        return _elements(shape, stride, offset) * dtype.itemsize
     if kind in ("list", "tuple"):
         return sum(_nbytes(v) for v in spec[1:])
     if kind == "dict":
