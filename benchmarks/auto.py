@@ -13,8 +13,8 @@ benchmarks/results/auto.json. Targets: every |error| <= 15%; the pick within 5% 
 Models (2 ranks, as in the issue that asked for it):
     mlp    model.args.hidden=512 model.args.depth=6 trainer.batch_size=128
     gpt    model=gpt data.task=lm model.args.dim=128 model.args.layers=4 data.seq_len=64 trainer.batch_size=32
-    llama  the 125M Hugging Face Llama of benchmarks/hf.py (slow on a CPU, 4 s a step: --models llama --rounds 1
-           --steps 13 --out benchmarks/results/auto_llama.json, about 15 minutes here)
+    llama  the 125M Hugging Face Llama of benchmarks/hf.py (slow on a CPU, 4-6 s a step: --models llama --rounds 2
+           --steps 13 --out benchmarks/results/auto_llama.json, about 27 minutes here; one round, about 15)
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from parallel.calibration import HOOKED_KINDS, nnls  # noqa: E402
-from parallel.calibration_runs import calibrate  # noqa: E402
+from parallel.calibration import HOOKED_KINDS  # noqa: E402
+from parallel.calibration_runs import calibrate, fit_in_step  # noqa: E402
 from parallel.config import ConfigError, RunError  # noqa: E402
 from parallel.cost import describe  # noqa: E402
 from parallel.entry import reported  # noqa: E402
@@ -65,11 +65,13 @@ def parse(argv: list[str]) -> dict:
     return {"nproc": nproc, "cuda": cuda, "out": options["out"], "runs": options["runs"] == "true"}
 
 
-# The framework's own runs the collectives in a step are fitted to (Note [calibration]).
-REFERENCE_RUNS = (["strategy=data", "strategy.zero=0"], ["strategy=data", "strategy.zero=3"], ["strategy=model"],
-                  ["strategy=pipeline", "strategy.microbatches=8"])
-REFERENCE_MODEL = ["model.args.hidden=512", "model.args.depth=6", "trainer.steps=18", "trainer.log_every=6",
-                   "trainer.progress=false"]
+# The framework's own runs the collectives in a step are fitted to (Note [calibration]): each strategy's, and
+# the width of its MLP. Data zero 0's is wide, its gradients' all-reduces large beside its compute (57 MB of
+# them at hidden 1536, 0.04-0.07 s alone here): what the time per byte in a step is fitted to; the others' small
+# calls fix the time per call.
+REFERENCE_RUNS = ((["strategy=data", "strategy.zero=0"], 1536), (["strategy=data", "strategy.zero=3"], 512),
+                  (["strategy=model"], 512), (["strategy=pipeline", "strategy.microbatches=8"], 512))
+REFERENCE_MODEL = ["model.args.depth=6", "trainer.steps=18", "trainer.log_every=6", "trainer.progress=false"]
 
 
 def _script(name: str, args: list[str]) -> None:
@@ -102,13 +104,14 @@ def _planned(overrides: list[str], nproc: int, cal):
 
 def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
     """Run REFERENCE_RUNS on `nproc` workers (those this world size can take), plan each priced with `cal`, and
-    fit cal.comm_scale, cal.call_s and cal.sync_s to their measured step times (Note [calibration]); one line
-    per run: measured, predicted before the fit."""
-    rows, target, lines = [], [], []
+    fit cal.comm_scale, cal.call_s, cal.send_s and cal.sync_s to their measured step times (`fit_in_step`); one
+    line per run: measured, predicted before the fit."""
+    runs, lines = [], []
     device = ["trainer.device=cuda" if cuda else "trainer.device=cpu"]
     with tempfile.TemporaryDirectory(prefix="calibrate-runs-") as tmp:
-        for i, strategy in enumerate(REFERENCE_RUNS):
-            common = [*strategy, *REFERENCE_MODEL, *device, f"trainer.batch_size={64 * nproc}"]
+        for i, (strategy, hidden) in enumerate(REFERENCE_RUNS):
+            common = [*strategy, f"model.args.hidden={hidden}", *REFERENCE_MODEL, *device,
+                      f"trainer.batch_size={64 * nproc}"]
             try:
                 plans, t = _planned(common, nproc, cal)
             except ConfigError as e:
@@ -121,20 +124,14 @@ def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
             measured = sum(times) / len(times)
             comm = max((p.work["comm"] for p in plans), key=lambda c: sum(n for n, _ in c.values()))
             hooked = sum(n for k, (n, _) in comm.items() if k.split("/")[0] in HOOKED_KINDS)
-            other = sum(n for k, (n, _) in comm.items() if k.split("/")[0] not in HOOKED_KINDS)
-            rows.append([t["comm"], hooked, other])
-            target.append(measured - (t["step"] - t["comm"]))
-            lines.append(f"{' '.join(strategy)}: measured {measured * 1e3:.1f} ms, predicted {t['step'] * 1e3:.1f} "
-                         f"(compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, comm "
-                         f"{t['comm'] * 1e3:.1f}; {hooked} all-gathers and reduce-scatters, {other} other "
-                         f"collectives and sends)")
-    # relative errors: each run's excess weighed alike; a run no slower than its predicted compute (the
-    # compute's error larger than its collectives) tells nothing of them and is left out
-    kept = [(row, y) for row, y in zip(rows, target) if y > 0]
-    cal.comm_scale, cal.call_s, cal.sync_s = \
-        nnls([[a / y, b / y, c / y] for (a, b, c), y in kept], [1.0] * len(kept)) if kept else (1.0, 0.0, 0.0)
-    lines += [f"left out of the fit: {len(rows) - len(kept)} run(s) no slower than their predicted compute"] \
-        if len(kept) < len(rows) else []
+            sends = sum(n for k, (n, _) in comm.items() if k.split("/")[0] == "send")
+            other = sum(n for k, (n, _) in comm.items() if k.split("/")[0] not in (*HOOKED_KINDS, "send"))
+            runs.append((measured, t["step"] - t["comm"], t["comm"], hooked, sends, other))
+            lines.append(f"{' '.join(strategy)} (hidden {hidden}): measured {measured * 1e3:.1f} ms, predicted "
+                         f"{t['step'] * 1e3:.1f} (compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, "
+                         f"comm {t['comm'] * 1e3:.1f}; {hooked} calls from hooks, {sends} sends, {other} other "
+                         f"collectives)")
+    cal.comm_scale, cal.call_s, cal.send_s, cal.sync_s = fit_in_step(runs)
     return lines
 
 
@@ -154,8 +151,8 @@ def main() -> None:
         for line in fit_to_runs(cal, options["nproc"], options["cuda"]):
             print(f"calibrate: {line}")
         print(f"calibrate: collectives in a step: x {cal.comm_scale:.2f} their measured time, + "
-              f"{cal.call_s * 1e3:.2f} ms an all-gather or reduce-scatter, + {cal.sync_s * 1e3:.2f} ms any other "
-              f"call or send")
+              f"{cal.call_s * 1e3:.2f} ms a call from hooks (FSDP2's, DDP's buckets), + {cal.send_s * 1e3:.2f} ms a "
+              f"send, + {cal.sync_s * 1e3:.2f} ms any other call")
     cal.write(options["out"])
     print(f"calibrate: {describe(cal)}")
     print(f"written: {options['out']} ({time.perf_counter() - t0:.0f} s)")

@@ -49,18 +49,23 @@ they share are in every figure), and each measures:
                holds, and the peers arrive a little apart
 
     in a step  runs of the framework itself on W workers (the built-in
-               MLP, hidden 512, depth 6, 64 samples a worker: data zero 0,
-               zero 3, model, pipeline of 8 microbatches; those the world
-               size cannot take are left out) against their plans priced
-               with the rates above: their excess over the predicted
-               compute and bubble is fitted as comm_scale x the predicted
-               collectives + call_s x the all-gathers and reduce-scatters
-               (the calls FSDP2 issues asynchronously from its hooks) +
-               sync_s x every other collective call and send (waited at
-               once, with a schedule's work around a pipeline's), least
-               squares of the relative error, non-negative. On a CPU the
-               workers' threads take every core, and a collective's own
-               thread waits for one.
+               MLP, depth 6, 64 samples a worker: data zero 0 at hidden
+               1536, whose gradients' all-reduces are large beside its
+               compute; zero 3, model, pipeline of 8 microbatches at hidden
+               512, whose calls are small; those the world size cannot take
+               are left out) against their plans priced with the rates
+               above: each run's step is fitted as its predicted compute
+               and bubble + comm_scale x its collectives timed alone +
+               call_s x its calls issued asynchronously from hooks (FSDP2's
+               all-gathers and reduce-scatters, DDP's bucket all-reduces) +
+               send_s x a pipeline's sends (its schedule's work around
+               them) + sync_s x every other collective call (waited at
+               once: tensor parallelism's), least squares of the steps'
+               relative error, non-negative: each term is mostly fixed by
+               one run (the wide data zero 0's bytes, zero 3's calls from
+               hooks, the pipeline's sends, tensor parallelism's
+               all-reduces). On a CPU the workers' threads take every core,
+               and a collective's own thread waits for one.
 
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
@@ -94,14 +99,14 @@ from torch import nn
 
 from parallel.flops import Flops  # the per-op count the planner makes
 from parallel.hardware import worker_threads
-from parallel.plan_work import MEMORY_SIZES, SIZES, Work
+from parallel.plan_work import BUCKET, MEMORY_SIZES, SIZES, Work
 from parallel.replay import PROBE, Replay, probe_seconds
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
 COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20)
-# The kinds a sharded data-parallel step issues asynchronously from hooks (FSDP2's gathers and reduce-scatters):
-# each call costs call_s besides its transfer (Note [calibration]).
-HOOKED_KINDS = ("allgather", "reducescatter")
+# The kinds a data-parallel step issues asynchronously from hooks (FSDP2's gathers and reduce-scatters, DDP's
+# bucket all-reduces): each call costs call_s besides its transfer (Note [calibration]).
+HOOKED_KINDS = ("allgather", "reducescatter", BUCKET)
 
 
 @dataclass
@@ -129,11 +134,13 @@ class Calibration:
     replay_op_s: float = 0.0  # and a time per op call beyond it: autograd's and the optimizer's Python
     # Collectives inside a training step, fitted to the framework's own runs (launch/calibrate.py, Note
     # [calibration]): a factor on their measured time (the workers' threads take the cores the collectives'
-    # own threads need) and a time per all-gather and reduce-scatter (FSDP2's: async hand-offs, its hooks).
+    # own threads need) and a time per call issued from hooks (FSDP2's all-gathers and reduce-scatters, DDP's
+    # bucket all-reduces: async hand-offs).
     comm_scale: float = 1.0
     call_s: float = 0.0
-    # A time per call of every other collective and per send (waited at once: tensor parallelism's
-    # all-reduces, a pipeline's sends, each with its schedule's work around it), fitted with them.
+    # A time per send (a pipeline's, with its schedule's work around it) and per call of every other collective
+    # (waited at once: tensor parallelism's all-reduces), fitted with them.
+    send_s: float = 0.0
     sync_s: float = 0.0
     comm: dict[str, list[float]] = field(default_factory=dict)  # "kind/group size" -> [latency s, bytes/s]
     made: str = ""  # how: "launch/calibrate.py" (with the date and host), or "measured at start"
@@ -160,14 +167,16 @@ class Calibration:
 
     def comm_time(self, kind: str, group: int, calls: int, nbytes: int) -> float:
         """Seconds of `calls` calls of a collective handed `nbytes` in all, over groups of `group` ranks: the
-        fit for that kind and size, else the nearest group size measured, else the all-reduce's."""
-        fits = {k: v for k, v in self.comm.items() if k.split("/")[0] == kind} or \
+        fit for that kind and size (DDP's buckets: the all-reduce's), else the nearest group size measured,
+        else the all-reduce's."""
+        measured = "allreduce" if kind == BUCKET else kind
+        fits = {k: v for k, v in self.comm.items() if k.split("/")[0] == measured} or \
             {k: v for k, v in self.comm.items() if k.startswith("allreduce/")}
         if not fits:
             return 0.0
         key = min(fits, key=lambda k: (abs(int(k.split("/")[1]) - group), -int(k.split("/")[1])))
         latency, bandwidth = fits[key]
-        per_call = self.call_s if kind in HOOKED_KINDS else self.sync_s
+        per_call = self.call_s if kind in HOOKED_KINDS else self.send_s if kind == "send" else self.sync_s
         return (calls * latency + nbytes / bandwidth) * self.comm_scale + calls * per_call
 
     def write(self, path: str) -> None:

@@ -116,6 +116,18 @@ def fit_comm(ranks: list[dict[str, list[tuple[int, float]]]]) -> dict[str, list[
     return out
 
 
+def fit_in_step(runs: list[tuple[float, float, float, int, int, int]]) -> tuple[float, float, float, float]:
+    """(comm_scale, call_s, send_s, sync_s) of runs given as (measured step, its predicted compute and bubble,
+    its collectives as measured alone, in seconds; its calls from hooks, its sends, its other calls): least
+    squares of the steps' relative error, non-negative (Note [calibration]); (1, 0, 0, 0) without runs."""
+    if not runs:
+        return 1.0, 0.0, 0.0, 0.0
+    scale, call, send, sync = nnls([[comm / step, hooked / step, sends / step, other / step]
+                                    for step, _, comm, hooked, sends, other in runs],
+                                   [(step - rest) / step for step, rest, *_ in runs])
+    return scale, call, send, sync
+
+
 def _send_pair(x: torch.Tensor, me: int, group) -> None:
     """Rank 2i sends to 2i+1 in the group (a pipeline's hop); the time is the receiver's."""
     import torch.distributed as dist

@@ -254,6 +254,6 @@ def describe(cal: Calibration) -> str:
             f"{cal.replay_op_s * 1e6:.1f} us in a step"
             + (f", all-reduce {cal.comm[k][1] / 1e9:.2f} GB/s" if (k := next(
                 (k for k in cal.comm if k.startswith("allreduce/")), None)) else "")
-            + (f", collectives in a step x {cal.comm_scale:.2f} + {cal.call_s * 1e3:.2f} ms an all-gather or "
-               f"reduce-scatter + {cal.sync_s * 1e3:.2f} ms any other call or send"
-               if cal.comm_scale != 1.0 or cal.call_s or cal.sync_s else ""))
+            + (f", collectives in a step x {cal.comm_scale:.2f} + {cal.call_s * 1e3:.2f} ms a call from hooks "
+               f"(FSDP2's, DDP's buckets) + {cal.send_s * 1e3:.2f} ms a send + {cal.sync_s * 1e3:.2f} ms any "
+               f"other call" if cal.comm_scale != 1.0 or cal.call_s or cal.send_s or cal.sync_s else ""))

@@ -16,7 +16,7 @@ from parallel.offload.activations import ActivationStore
 from parallel.offload.engine import OffloadIO
 from parallel.offload.tiers import DiskTier
 from parallel.plan_cuda import pinned
-from parallel.tensors import local_bytes
+from parallel.tensors import local, local_bytes
 
 
 class InlineExecutor:
@@ -121,7 +121,8 @@ class DDPStandIn:
     planning its `replicate` (the runtime's) leaves the model as it is and the plan adds what DDP itself holds: its gradient
     buckets, one flat copy of the trainable parameters' gradients, alive for the whole run, and what it
     sends: the buckets all-reduced over the group it was given (in bf16 under trainer.reduce_precision=bf16:
-    half the bytes, Note [mixed precision] in parallel/strategies/data.py)."""
+    half the bytes, Note [mixed precision] in parallel/strategies/data.py), and the work of its copies
+    (`copy_gradients`)."""
 
     def __init__(self):
         self.models: list[tuple[nn.Module, int, int]] = []  # each with its group's size and the bytes it sends per 4
@@ -142,3 +143,17 @@ class DDPStandIn:
     def bucket_bytes(self) -> int:
         """The buckets DDP holds: fp32, as the gradients."""
         return sum(self._bytes(m) for m, _, _ in self.models)
+
+    def copy_gradients(self, counter) -> None:
+        """Run, under the dispatch mode `counter` (the planner's parallel.plan_work.Work), what DDP's reducer does
+        to each gradient in a step, its buckets being copies and not views of the gradients: the gradient
+        scaled by 1 / the group's size into its bucket (a product into an output), and the bucket's reduced
+        values copied back (on meta tensors of the gradients' local shapes: the work is what is counted)."""
+        for model, world, _ in self.models:
+            grads = [torch.empty(local(p).shape, dtype=p.dtype, device="meta") for p in model.parameters()
+                     if p.requires_grad]
+            buckets = [torch.empty_like(g) for g in grads]
+            with counter:
+                for g, b in zip(grads, buckets):
+                    torch.mul(g, 1 / world, out=b)
+                    g.copy_(b)

@@ -28,7 +28,15 @@ global shapes, and the local op that DTensor then runs is out of its sight.
     comm       each collective and point-to-point send, by (kind, the size of
                its group): calls and the bytes it is handed (its input, before
                any gather). Waits, receives and groups of one rank are left
-               out: a receive's time is its sender's.
+               out: a receive's time is its sender's. DDP's all-reduces,
+               which run outside the dispatch (the planner adds them from its
+               buckets), are their own kind, "bucket": issued from
+               backward's hooks as each bucket fills, they are not waited
+               at once as tensor parallelism's all-reduces are. What DDP's
+               reducer does to each gradient (scaled into its bucket, copied
+               back) is counted as ops of the step, the planner running them
+               on meta tensors of the gradients' shapes
+               (parallel.plan_standins.DDPStandIn.copy_gradients).
     forward_backward  products, memory and ops again, of the ops dispatched
                in the step's forward and backward (a pipeline's schedule)
                alone, without clipping and the optimizer's step: the part of
@@ -62,6 +70,9 @@ def size_class(flops: float) -> int:
 
 
 DDP_FIRST_BUCKET, DDP_BUCKET = 1 << 20, 25 << 20  # DDP's bucket sizes (torch's defaults)
+
+
+BUCKET = "bucket"  # the kind of DDP's bucket all-reduces (Note [step work])
 
 
 def ddp_calls(nbytes: int) -> int:

@@ -93,7 +93,7 @@ from parallel.models.build import build_meta_model
 from parallel.plan_comm import CommBytes, ring_all_reduce_bytes
 from parallel.plan_cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
 from parallel.plan_standins import CountingIO, DDPStandIn, InlineExecutor
-from parallel.plan_work import Work, ddp_calls
+from parallel.plan_work import BUCKET, Work, ddp_calls
 from parallel.runtime import Runtime
 from parallel.shape_values import ShapeValues
 from parallel.tensors import local_bytes, plain_tensors
@@ -361,11 +361,14 @@ def _rank_plan(rank: int, tracker, modules, flops, comm, work: Work, ddp: DDPSta
     held = allocated(buckets) if cuda is not None else buckets
     k["grads"] += held
     rows = [asdict(r) | {"total": r.total} for r in modules.table()] if modules is not None else []
+    work.phase = "forward"  # DDP's copies run in the backward of each of the two steps counted
+    for _ in range(2):
+        ddp.copy_gradients(work)
     step_work = work.as_dict(steps=2)
-    for nbytes, world in ddp.buckets():  # DDP's bucket all-reduces, one step's
-        step_work["comm"].setdefault(f"allreduce/{world}", [0, 0])
-        step_work["comm"][f"allreduce/{world}"][0] += ddp_calls(nbytes)
-        step_work["comm"][f"allreduce/{world}"][1] += nbytes
+    for nbytes, world in ddp.buckets():  # DDP's bucket all-reduces, one step's: issued from backward's hooks
+        row = step_work["comm"].setdefault(f"{BUCKET}/{world}", [0, 0])
+        row[0] += ddp_calls(nbytes)
+        row[1] += nbytes
     return RankPlan(rank=rank, same_as=[], params=k["params"], grads=k["grads"], optimizer=k["optimizer"],
                     activations=k["activations"], temp=k["temp"], total=tracker.peak + held,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,

@@ -176,7 +176,7 @@ def test_calibrate_leaves_out_a_reference_run_the_world_size_cannot_take():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     with pytest.raises(ConfigError, match="must divide by tp 3"):
-        script._planned(["strategy=model", *script.REFERENCE_MODEL, "trainer.batch_size=192"], 3, None)
+        script._planned(["strategy=model", "model.args.hidden=512", *script.REFERENCE_MODEL, "trainer.batch_size=192"], 3, None)
 
 
 @pytest.mark.timeout(120)

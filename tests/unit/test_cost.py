@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from parallel.calibration import Calibration, fit_replay, measure_dtensor_op, quick
-from parallel.calibration_runs import _fit, fit_comm
+from parallel.calibration_runs import _fit, fit_comm, fit_in_step
 from parallel.config import Config, ConfigError
 from parallel.cost import comm_time, compute_time, load, step_times
 from parallel.hardware import last_level_cache
 from parallel.models.build import build_meta_model
+from parallel.plan_standins import DDPStandIn
 from parallel.plan_work import Work, byte_class, ddp_calls, size_class, spec
 from parallel.planner import plan
 from parallel.replay import Replay, _real
@@ -74,13 +75,31 @@ def test_a_planned_step_counts_ddp_buckets_and_fsdp_calls():
     cfg, (zero0,) = _planned(name="data", zero=0)
     grads = sum(p.numel() * 4 for p in build_meta_model(cfg.model).parameters())
     # DDP's one bucket of the gradients (a regression's mean loss all-reduces nothing else)
-    assert zero0.work["comm"] == {"allreduce/2": [ddp_calls(grads), grads]} and ddp_calls(grads) == 1
+    assert zero0.work["comm"] == {"bucket/2": [ddp_calls(grads), grads]} and ddp_calls(grads) == 1
     assert zero0.work["ops"] > 0 and zero0.work["products"] and zero0.work["memory"]
     _, (zero3,) = _planned(name="data", zero=3)
     kinds = {k.split("/")[0] for k in zero3.work["comm"]}
     assert {"allgather", "reducescatter"} <= kinds  # FSDP2's gathers and gradient reduce-scatters
     t = step_times(cfg, [zero0], _cal(), 2)
     assert t["step"] == pytest.approx(t["compute"] + t["comm"]) and t["bubble"] == 0 and t["comm"] > 0
+
+
+def test_ddp_s_gradient_copies_are_counted_as_its_reducer_makes_them():
+    """Each gradient scaled into its bucket and copied back: two ops, both replayed; each counted as Work counts
+    any op, its tensor arguments and its result (an out= argument, an in-place op's target, counted again)."""
+    class Mesh:
+        def size(self) -> int:
+            return 2
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8, bias=False))
+    model[0].bias.requires_grad_(False)  # a frozen parameter has no gradient to copy
+    ddp = DDPStandIn()
+    ddp.replicate(model, device_mesh=Mesh())
+    work = Work()
+    ddp.copy_gradients(work)
+    grads = (64 * 32 + 32 * 8) * 4
+    assert work.ops == 4 and sum(n for _, n in work.memory.values()) == 2 * 3 * grads
+    assert {str(func) for func, _, _ in work.calls} == {"aten.mul.out", "aten.copy_.default"}
 
 
 def test_pricing_is_the_stated_sum():
@@ -96,9 +115,10 @@ def test_pricing_is_the_stated_sum():
     # a group size not measured: the nearest measured one; a kind not measured: the all-reduce's fit
     alone = (2e-4 + 1e6 / 1e9) + (2e-4 + 1e6 / 5e8) + (1e-4 + 1e6 / 1e9)
     assert comm_time(work, cal) == pytest.approx(alone)
-    # in a step: x comm_scale, + call_s an all-gather or reduce-scatter, + sync_s any other call or send
-    in_step = _cal(comm_scale=2.0, call_s=3e-3, sync_s=1e-3)
-    assert comm_time(work, in_step) == pytest.approx(2 * alone + 3e-3 + 3 * 1e-3)
+    # in a step: x comm_scale, + call_s a call from hooks (an all-gather here), + send_s a send, + sync_s any
+    # other call
+    in_step = _cal(comm_scale=2.0, call_s=3e-3, send_s=5e-3, sync_s=1e-3)
+    assert comm_time(work, in_step) == pytest.approx(2 * alone + 3e-3 + 5e-3 + 2 * 1e-3)
 
 
 def test_a_pipeline_s_bubble_is_the_other_stages_forward_and_backward():
@@ -169,6 +189,20 @@ def test_comm_fits_average_the_ranks_and_take_a_send_s_receiver():
     fits = fit_comm(ranks)
     assert fits["allreduce/2"] == pytest.approx([2e-4, 1e9], rel=1e-6)
     assert fits["send/2"] == pytest.approx([2e-3, 1e9], rel=1e-6)
+
+
+def test_collectives_in_a_step_fit_the_runs_relative_error():
+    """A run = its compute + comm_scale x its collectives timed alone + call_s per call from hooks + send_s per
+    send + sync_s per other call: the four recovered from four runs; a run faster than its predicted compute
+    stays in the fit (its relative error weighs as any run's), which stays non-negative."""
+    runs = [(0.2, 0.12, 0.05, 4, 0, 0), (0.09, 0.02, 0.03, 20, 0, 0), (0.05, 0.02, 0.005, 0, 0, 7),
+            (0.04, 0.03, 0.002, 0, 8, 1)]
+    made = [(rest + 1.5 * comm + 2e-3 * hooked + 4e-3 * sends + 1e-3 * other, rest, comm, hooked, sends, other)
+            for _, rest, comm, hooked, sends, other in runs]
+    assert fit_in_step(made) == pytest.approx((1.5, 2e-3, 4e-3, 1e-3))
+    assert fit_in_step([]) == (1.0, 0.0, 0.0, 0.0)
+    bent = fit_in_step([(0.1, 0.12, 0.05, 4, 0, 0)] + made[1:])
+    assert min(bent) >= 0 and bent != pytest.approx((1.5, 2e-3, 4e-3, 1e-3))
 
 
 def test_the_replay_scale_fits_what_steps_take_beyond_their_calls_timed_alone():
