@@ -76,6 +76,9 @@ def test_a_planned_step_counts_ddp_buckets_and_fsdp_calls():
     grads = sum(p.numel() * 4 for p in build_meta_model(cfg.model).parameters())
     # DDP's one bucket of the gradients (a regression's mean loss all-reduces nothing else)
     assert zero0.work["comm"] == {"bucket/2": [ddp_calls(grads), grads]} and ddp_calls(grads) == 1
+    # its reducer's copy of each gradient into the bucket, once a step (DDPStandIn.copy_gradients)
+    params = len(list(build_meta_model(cfg.model).parameters()))
+    assert sum(n for (func, _, _), (n, _, _) in zero0.calls.items() if str(func) == "aten.mul.out") == params
     assert zero0.work["ops"] > 0 and zero0.work["products"] and zero0.work["memory"]
     _, (zero3,) = _planned(name="data", zero=3)
     kinds = {k.split("/")[0] for k in zero3.work["comm"]}
@@ -119,6 +122,9 @@ def test_pricing_is_the_stated_sum():
     # other call
     in_step = _cal(comm_scale=2.0, call_s=3e-3, send_s=5e-3, sync_s=1e-3)
     assert comm_time(work, in_step) == pytest.approx(2 * alone + 3e-3 + 5e-3 + 2 * 1e-3)
+    # DDP's buckets: the all-reduce's fit, and the time per call from hooks
+    buckets = {"comm": {"bucket/2": [2, 1e6]}}
+    assert comm_time(buckets, in_step) == pytest.approx(2 * (2 * 1e-4 + 1e6 / 1e9) + 2 * 3e-3)
 
 
 def test_a_pipeline_s_bubble_is_the_other_stages_forward_and_backward():
