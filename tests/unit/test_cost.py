@@ -212,7 +212,7 @@ def test_collectives_in_a_step_fit_the_runs_relative_error():
 
 
 def test_the_replay_scale_fits_what_steps_take_beyond_their_calls_timed_alone():
-    """A step = step_s + replay_scale x its calls timed alone + replay_op_s x its ops."""
+    """A step = step_s + replay_scale x its calls timed alone + replay_op_s x its ops; never below its calls."""
     cal = _cal(step_s=1e-4)
     steps = ((1e-3, 1e-3, 100), (4e-3, 1e-3, 50), (1e-3, 5e-3, 400), (2e-3, 2e-3, 10))
     fit_replay(cal, [({"ops": ops}, 1e-4 + 1.5 * (p + m) + 3e-6 * ops, {"products": p, "memory": m})
@@ -221,6 +221,9 @@ def test_the_replay_scale_fits_what_steps_take_beyond_their_calls_timed_alone():
     untouched = _cal()
     fit_replay(untouched, [({"ops": 5}, 0.5e-4, {"products": 1e-3, "memory": 0.0})] * 2)  # no step beyond step_s
     assert untouched.replay_scale == 1.0 and untouched.replay_op_s == 0.0
+    fast = _cal(step_s=1e-4)  # steps faster than their calls timed alone: the calls as timed
+    fit_replay(fast, [({"ops": ops}, 1e-4 + 0.9 * (p + m), {"products": p, "memory": m}) for p, m, ops in steps])
+    assert fast.replay_scale == 1.0 and fast.replay_op_s == 0.0
 
 
 def test_replay_spreads_a_call_over_operand_sets_that_span_the_step():
