@@ -26,7 +26,7 @@ they share are in every figure), and each measures:
                launch/plan.py times a plan's (parallel.replay, each call
                over operand sets that span the step's bytes times the
                processes, as the plan's are), their sum fitted to the
-               steps' time less step_s as replay_scale x the calls +
+               steps' time less step_s as replay_scale (>= 1) x the calls +
                replay_op_s x the ops (autograd's and the optimizer's
                Python per call). The steps took 1.2-2.4x their calls timed
                on one set of operands, repeated alone; over such sets,
