@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from parallel.calibration import HOOKED_KINDS  # noqa: E402
+from parallel.calibration import CALL_CLASSES, call_class  # noqa: E402
 from parallel.calibration_runs import calibrate, fit_in_step  # noqa: E402
 from parallel.config import ConfigError, RunError  # noqa: E402
 from parallel.cost import describe  # noqa: E402
@@ -123,9 +123,8 @@ def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
                 times = [r["step_time_s"] for r in map(json.loads, f) if "step_time_s" in r and r["step"] > 6]
             measured = sum(times) / len(times)
             comm = max((p.work["comm"] for p in plans), key=lambda c: sum(n for n, _ in c.values()))
-            hooked = sum(n for k, (n, _) in comm.items() if k.split("/")[0] in HOOKED_KINDS)
-            sends = sum(n for k, (n, _) in comm.items() if k.split("/")[0] == "send")
-            other = sum(n for k, (n, _) in comm.items() if k.split("/")[0] not in (*HOOKED_KINDS, "send"))
+            hooked, sends, other = (sum(n for k, (n, _) in comm.items() if call_class(k.split("/")[0]) == c)
+                                    for c in CALL_CLASSES)
             runs.append((measured, t["step"] - t["comm"], t["comm"], hooked, sends, other))
             lines.append(f"{' '.join(strategy)} (hidden {hidden}): measured {measured * 1e3:.1f} ms, predicted "
                          f"{t['step'] * 1e3:.1f} (compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, "

@@ -61,11 +61,9 @@ they share are in every figure), and each measures:
                send_s x a pipeline's sends (its schedule's work around
                them) + sync_s x every other collective call (waited at
                once: tensor parallelism's), least squares of the steps'
-               relative error, non-negative: each term is mostly fixed by
-               one run (the wide data zero 0's bytes, zero 3's calls from
-               hooks, the pipeline's sends, tensor parallelism's
-               all-reduces). On a CPU the workers' threads take every core,
-               and a collective's own thread waits for one.
+               relative error, non-negative: each term mostly fixed by one
+               run. On a CPU the workers' threads take every core, and a
+               collective's own thread waits for one.
 
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
@@ -104,9 +102,14 @@ from parallel.replay import PROBE, Replay, probe_seconds
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
 COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20)
-# The kinds a data-parallel step issues asynchronously from hooks (FSDP2's gathers and reduce-scatters, DDP's
-# bucket all-reduces): each call costs call_s besides its transfer (Note [calibration]).
+# The kinds issued asynchronously from hooks (FSDP2's, DDP's buckets): call_s a call (Note [calibration]).
 HOOKED_KINDS = ("allgather", "reducescatter", BUCKET)
+CALL_CLASSES = ("hooked", "send", "other")  # the per-call terms: call_s, send_s, sync_s
+
+
+def call_class(kind: str) -> str:
+    """Which time per call a collective kind pays in a step (Note [calibration]): one of CALL_CLASSES."""
+    return "hooked" if kind in HOOKED_KINDS else "send" if kind == "send" else "other"
 
 
 @dataclass
@@ -167,16 +170,15 @@ class Calibration:
 
     def comm_time(self, kind: str, group: int, calls: int, nbytes: int) -> float:
         """Seconds of `calls` calls of a collective handed `nbytes` in all, over groups of `group` ranks: the
-        fit for that kind and size (DDP's buckets: the all-reduce's), else the nearest group size measured,
-        else the all-reduce's."""
-        measured = "allreduce" if kind == BUCKET else kind
-        fits = {k: v for k, v in self.comm.items() if k.split("/")[0] == measured} or \
+        fit for that kind and size, else the nearest group size measured, else (a kind not measured, as DDP's
+        buckets) the all-reduce's."""
+        fits = {k: v for k, v in self.comm.items() if k.split("/")[0] == kind} or \
             {k: v for k, v in self.comm.items() if k.startswith("allreduce/")}
         if not fits:
             return 0.0
         key = min(fits, key=lambda k: (abs(int(k.split("/")[1]) - group), -int(k.split("/")[1])))
         latency, bandwidth = fits[key]
-        per_call = self.call_s if kind in HOOKED_KINDS else self.send_s if kind == "send" else self.sync_s
+        per_call = {"hooked": self.call_s, "send": self.send_s, "other": self.sync_s}[call_class(kind)]
         return (calls * latency + nbytes / bandwidth) * self.comm_scale + calls * per_call
 
     def write(self, path: str) -> None:
@@ -420,12 +422,10 @@ def fit_replay(cal: "Calibration", samples: list[tuple[dict, float, dict]]) -> N
     """cal.replay_scale and cal.replay_op_s: a step's time less step_s = replay_scale x its op calls timed one
     by one + replay_op_s x its ops (what autograd and the optimizer's Python add to each call), least squares
     of the relative error over the steps, replay_scale >= 1 and replay_op_s >= 0; left at 1 and 0 where no step
-    took longer than step_s. A step's calls take at least what they take timed alone (its workers share the
-    memory and caches that one process replaying them has to itself): a free factor came to 0.87-0.90 in four
-    of five calibrations made for benchmarks/auto.py, the small steps' calls timed a little slow alone, and
-    priced the 125M Llama's calls 10% below their own time. One factor for products and other calls alike:
-    two, fitted to eight steps whose products and other calls grow together, came out 1.0-1.6 (products) and
-    0.6-2.0 (other calls) over eight calibrations made here within an hour."""
+    took longer than step_s. A step's calls take at least what they take timed alone (its workers share what
+    one replaying process has to itself; a free factor, 0.87-0.90 in four of five calibrations, priced the
+    125M Llama's calls 10% below their own time). One factor for products and other calls alike: two came out
+    1.0-1.6 and 0.6-2.0 over eight calibrations made here within an hour."""
     usable = [(seconds - cal.step_s, timed["products"] + timed["memory"], work["ops"])
               for work, seconds, timed in samples if seconds > cal.step_s and timed["products"] + timed["memory"] > 0]
     if usable:
