@@ -39,14 +39,18 @@ they share are in every figure), and each measures:
                (dtensor_op_s)
     comm       for each collective kind (all-reduce, all-gather,
                reduce-scatter, all-to-all, broadcast, send) and each group
-               size dividing W: the time of one call at 4 KiB ... 16 MiB,
-               fitted as latency + bytes / bandwidth (least squares of the
-               relative error over the sizes, each the median of its
-               repeats, the mean over the ranks; a send's, its receivers');
-               gloo on a CPU, NCCL on GPUs. On a CPU each call follows a
-               short computation, as in a step, not a barrier: the
-               backend's threads then wake on cores the computation
-               holds, and the peers arrive a little apart
+               size dividing W: the time of one call at 4 KiB ... 64 MiB
+               (each the median of its repeats, the mean over the ranks; a
+               send's, its receivers'), priced between sizes by the line
+               through the two around (`call_seconds`); gloo on a CPU, NCCL
+               on GPUs. A call's output is new each call where the
+               framework's is (FSDP2's gathers and reduce-scatters, ZeRO-1's
+               broadcast, an all-to-all): on a CPU its pages are first
+               touched there (a 250 MB broadcast into a new buffer took
+               240-410 ms here, into a used one 110-120). On a CPU each
+               call follows a short computation, as in a step, not a
+               barrier: the backend's threads then wake on cores the
+               computation holds, and the peers arrive a little apart
 
     in a step  runs of the framework itself on W workers (the built-in
                MLP, depth 6, 64 samples a worker: data zero 0 at hidden
@@ -55,15 +59,17 @@ they share are in every figure), and each measures:
                512, whose calls are small; those the world size cannot take
                are left out) against their plans priced with the rates
                above: each run's step is fitted as its predicted compute
-               and bubble + comm_scale x its collectives timed alone +
-               call_s x its calls issued asynchronously from hooks (FSDP2's
-               all-gathers and reduce-scatters, DDP's bucket all-reduces) +
-               send_s x a pipeline's sends (its schedule's work around
-               them) + sync_s x every other collective call (waited at
-               once: tensor parallelism's), least squares of the steps'
-               relative error, non-negative: each term mostly fixed by one
-               run. On a CPU the workers' threads take every core, and a
-               collective's own thread waits for one.
+               and bubble + its waited collectives timed alone +
+               comm_scale x its overlapped ones (OVERLAPPED: DDP's bucket
+               all-reduces, which backward's hooks issue while backward
+               goes on; on GPUs also FSDP2's, on their own streams; FSDP2
+               on a CPU waits on each) + call_s x its calls issued from
+               hooks (FSDP2's all-gathers and reduce-scatters, DDP's
+               buckets) + send_s x a pipeline's sends (its schedule's work
+               around them) + sync_s x every other collective call (waited
+               at once: tensor parallelism's, ZeRO-1's broadcast), least
+               squares of the steps' relative error, non-negative: each
+               term mostly fixed by one run.
 
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
@@ -93,18 +99,29 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch import nn
 
 from parallel.flops import Flops  # the per-op count the planner makes
 from parallel.hardware import worker_threads
-from parallel.plan_work import BUCKET, MEMORY_SIZES, SIZES, Work
-from parallel.replay import PROBE, Replay, probe_seconds
+from parallel.plan_work import BUCKET, MEMORY_SIZES, SIZES
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
-COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20)
+COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+# The kinds whose calls overlap the step's compute, by device kind: their time alone x comm_scale in a step;
+# every other call is waited on where it is made (Note [calibration]).
+OVERLAPPED = {"cpu": (BUCKET,), "cuda": (BUCKET, "allgather", "reducescatter")}
 # The kinds issued asynchronously from hooks (FSDP2's, DDP's buckets): call_s a call (Note [calibration]).
 HOOKED_KINDS = ("allgather", "reducescatter", BUCKET)
 CALL_CLASSES = ("hooked", "send", "other")  # the per-call terms: call_s, send_s, sync_s
+
+
+def call_seconds(points: list, nbytes: float) -> float:
+    """One call's seconds at `nbytes` from measured [bytes, seconds] points: the line through the two sizes
+    around it; below the smallest, the smallest's time; above the largest, that line's rate carried on."""
+    points = sorted(points)
+    if nbytes <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    (n0, t0), (n1, t1) = next((pair for pair in zip(points, points[1:]) if nbytes <= pair[1][0]), points[-2:])
+    return t0 + (nbytes - n0) * max(0.0, (t1 - t0) / (n1 - n0))
 
 
 def call_class(kind: str) -> str:
@@ -136,18 +153,22 @@ class Calibration:
     replay_scale: float = 1.0
     replay_op_s: float = 0.0  # and a time per op call beyond it: autograd's and the optimizer's Python
     # Collectives inside a training step, fitted to the framework's own runs (launch/calibrate.py, Note
-    # [calibration]): a factor on their measured time (the workers' threads take the cores the collectives'
-    # own threads need) and a time per call issued from hooks (FSDP2's all-gathers and reduce-scatters, DDP's
-    # bucket all-reduces: async hand-offs).
+    # [calibration]): a factor on the measured time of those that overlap compute (OVERLAPPED) and a time per
+    # call issued from hooks (FSDP2's all-gathers and reduce-scatters, DDP's bucket all-reduces).
     comm_scale: float = 1.0
     call_s: float = 0.0
     # A time per send (a pipeline's, with its schedule's work around it) and per call of every other collective
-    # (waited at once: tensor parallelism's all-reduces), fitted with them.
+    # (waited at once: tensor parallelism's all-reduces, ZeRO-1's broadcast), fitted with them.
     send_s: float = 0.0
     sync_s: float = 0.0
-    comm: dict[str, list[float]] = field(default_factory=dict)  # "kind/group size" -> [latency s, bytes/s]
+    # "kind/group size" -> [[bytes, seconds of one call], ...] by size (a file with [latency s, bytes/s] loads)
+    comm: dict[str, list] = field(default_factory=dict)
     made: str = ""  # how: "launch/calibrate.py" (with the date and host), or "measured at start"
     host: str = field(default_factory=platform.node)  # the machine measured
+
+    def __post_init__(self):  # a file's [latency, bandwidth] fit: the same line, as points
+        self.comm = {k: [[0, v[0]], [1 << 24, v[0] + (1 << 24) / v[1]]] if len(v) == 2 and not isinstance(v[0], list)
+                     else v for k, v in self.comm.items()}
 
     @property
     def kind(self) -> str:
@@ -169,17 +190,17 @@ class Calibration:
         return min(known, key=lambda kv: abs(kv[0] - nbytes) / kv[0])[1]
 
     def comm_time(self, kind: str, group: int, calls: int, nbytes: int) -> float:
-        """Seconds of `calls` calls of a collective handed `nbytes` in all, over groups of `group` ranks: the
-        fit for that kind and size, else the nearest group size measured, else (a kind not measured, as DDP's
-        buckets) the all-reduce's."""
+        """Seconds of `calls` calls of a collective handed `nbytes` in all, over groups of `group` ranks: each
+        call's measured time at the mean size for that kind (else, a kind not measured, as DDP's buckets, the
+        all-reduce's), at the nearest group size measured; in a step (Note [calibration])."""
         fits = {k: v for k, v in self.comm.items() if k.split("/")[0] == kind} or \
             {k: v for k, v in self.comm.items() if k.startswith("allreduce/")}
-        if not fits:
+        if not fits or not calls:
             return 0.0
         key = min(fits, key=lambda k: (abs(int(k.split("/")[1]) - group), -int(k.split("/")[1])))
-        latency, bandwidth = fits[key]
+        scale = self.comm_scale if kind in OVERLAPPED[self.kind] else 1.0
         per_call = {"hooked": self.call_s, "send": self.send_s, "other": self.sync_s}[call_class(kind)]
-        return (calls * latency + nbytes / bandwidth) * self.comm_scale + calls * per_call
+        return calls * (call_seconds(fits[key], nbytes / calls) * scale + per_call)
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:
@@ -314,73 +335,6 @@ def measure_dtensor_op(device: torch.device, seconds: float = 0.05) -> float:
             dist.destroy_process_group()
 
 
-def _reference(kind: str, width: int, depth: int, batch: int, device: torch.device):
-    """A reference training step (forward, backward, clipping, AdamW, gradient reset) of a plain torch model:
-    an MLP (matrix products, GELU) or a small pre-norm transformer (attention, layer norms, softmax)."""
-    torch.manual_seed(0)
-    if kind == "mlp":
-        layers = [nn.Linear(32, width), nn.GELU()]
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.GELU()]
-        model = nn.Sequential(*layers, nn.Linear(width, 4)).to(device)
-        x, y = torch.randn(batch, 32, device=device), torch.randn(batch, 4, device=device)
-    else:
-        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-        model = nn.Sequential(nn.TransformerEncoder(layer, depth, enable_nested_tensor=False),
-                              nn.Linear(width, 4)).to(device)
-        x, y = torch.randn(batch, 32, width, device=device), torch.randn(batch, 32, 4, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step():
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def resident() -> int:  # the bytes a step keeps touching: weights, their gradients, AdamW's state, the batch
-        weights = sum(p.nbytes for p in model.parameters())
-        state = sum(t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-        return 2 * weights + state + x.nbytes + y.nbytes
-
-    step.resident = resident
-    return step
-
-
-# The reference steps the compute terms are fitted to: (kind, width, depth, batch), from dispatch-bound to
-# product-bound and memory-bound (the optimizer's step over many weights), the last beyond a 32 MiB cache.
-REFERENCES = (("mlp", 16, 2, 4), ("mlp", 64, 8, 16), ("mlp", 256, 4, 64), ("mlp", 512, 4, 16),
-              ("mlp", 512, 2, 512), ("mlp", 1024, 2, 32), ("transformer", 64, 2, 8), ("transformer", 128, 2, 16),
-              ("mlp", 1024, 6, 64))
-
-
-def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3,
-                  products: dict[str, float] | None = None, together=lambda: None, replay: bool = True,
-                  share: float = 1.0, workers: int = 1) -> list[tuple[dict, float, dict | None]]:
-    """(the work of one step, Note [step work]; its measured seconds; its op calls timed one by one,
-    parallel.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step.
-    `products`: the rates just measured, which the replay's probe is held to as parallel.cost holds a
-    plan's (x `share`, the threads per core they were measured with). `together`: called before each step
-    is timed and around the replays (launch/calibrate.py's processes: a barrier, so that each times its
-    steps while the others time theirs, as a run's workers step together; then one process replays the
-    steps alone, as launch/plan.py replays a plan's calls, while the others wait); `workers`: the processes
-    whose steps share this machine's caches (each call replayed over operands spanning their bytes, as
-    parallel.cost replays a plan's)."""
-    out = []
-    for ref in references:
-        step = _reference(*ref, device)
-        step()
-        with Work() as work:
-            step()
-        together()
-        out.append((work, _timed(step, device, seconds, least=3, batches=3), step.resident() * workers))
-    together()
-    rate = products[str(PROBE)] * share if products else None
-    player = Replay(device, probe_s=probe_seconds(rate) if rate else None) if replay else None
-    timed = [player.price(work.calls, None, span=span) if player else None for work, _, span in out]
-    together()
-    return [(work.as_dict(), measured, t) for (work, measured, _), t in zip(out, timed)]
-
-
 def nnls(rows: list[list[float]], target: list[float]) -> list[float]:
     """Non-negative least squares for a few unknowns: the best of the unconstrained fits over every subset
     of the unknowns whose solution is non-negative."""
@@ -472,7 +426,7 @@ def quick(world: int, device: torch.device | None = None) -> Calibration:
     cal.step_s *= factor
     cal.dtensor_op_s *= factor
     bandwidth = loopback_bandwidth()
-    cal.comm = {f"{k}/{world}": [0.0, bandwidth] for k in COMM_KINDS}
+    cal.comm = {f"{k}/{world}": [[0, 0.0], [1 << 20, (1 << 20) / bandwidth]] for k in COMM_KINDS}
     return cal
 
 

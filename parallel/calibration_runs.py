@@ -11,6 +11,7 @@ import tempfile
 import time
 
 import torch
+from torch import nn
 
 from parallel.calibration import (
     COMM_KINDS,
@@ -23,17 +24,11 @@ from parallel.calibration import (
     measure_dtensor_op,
     measure_memory,
     measure_products,
-    measure_steps,
     nnls,
 )
 from parallel.hardware import worker_threads
-
-
-def _fit(points: list[tuple[int, float]]) -> list[float]:
-    """[latency s, bytes/s] of t = latency + bytes / bandwidth over (bytes, seconds) points, by least squares of
-    the relative error (a small call's latency counts as much as a large one's bandwidth), both >= 0."""
-    latency, per_byte = nnls([[1 / t, n / t] for n, t in points], [1.0] * len(points))
-    return [latency, 1.0 / max(per_byte, 1e-15)]
+from parallel.plan_work import Work
+from parallel.replay import PROBE, Replay, probe_seconds
 
 
 def _burst(device: torch.device, seconds: float = 3e-4):
@@ -73,16 +68,18 @@ def measure_comm(rank: int, world: int, device: torch.device,
         for nbytes in COMM_SIZES:
             n = nbytes // 4
             x = torch.ones(n, device=device)
-            gathered = torch.empty(n * size, device=device)
-            scattered = torch.empty(max(1, n // size), device=device)
+            # each output new, as the framework's are (FSDP2's, ZeRO-1's receivers', an all-to-all's): on a CPU
+            # its pages are touched first by the call (Note [calibration]); an all-reduce works in place
             calls = {
                 "allreduce": lambda: dist.all_reduce(x, group=group),
-                "allgather": lambda: dist.all_gather_into_tensor(gathered, x, group=group),
-                "reducescatter": lambda: dist.reduce_scatter_tensor(scattered, x[:scattered.numel() * size],
-                                                                    group=group),
+                "allgather": lambda: dist.all_gather_into_tensor(torch.empty(n * size, device=device), x,
+                                                                 group=group),
+                "reducescatter": lambda: dist.reduce_scatter_tensor(torch.empty(max(1, n // size), device=device),
+                                                                    x[:max(1, n // size) * size], group=group),
                 "alltoall": lambda: dist.all_to_all_single(torch.empty_like(x[:n - n % size]),
                                                            x[:n - n % size], group=group),
-                "broadcast": lambda: dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group),
+                "broadcast": lambda: dist.broadcast(x if me == 0 else torch.empty_like(x),
+                                                    src=dist.get_global_rank(group, 0), group=group),
                 "send": lambda: _send_pair(x, me, group),
             }
             for kind in COMM_KINDS:
@@ -104,28 +101,96 @@ def measure_comm(rank: int, world: int, device: torch.device,
     return out
 
 
-def fit_comm(ranks: list[dict[str, list[tuple[int, float]]]]) -> dict[str, list[float]]:
-    """[latency s, bytes/s] per "kind/size" from every rank's `measure_comm` points: each size's time the mean
-    over the ranks, a send's over the receiving ranks (a pipeline waits on the receive; the sender hands its
-    tensor off)."""
+def fit_comm(ranks: list[dict[str, list[tuple[int, float]]]]) -> dict[str, list[list[float]]]:
+    """[[bytes, seconds of one call], ...] per "kind/size" from every rank's `measure_comm` points: each size's
+    time the mean over the ranks, a send's over the receiving ranks (a pipeline waits on the receive; the
+    sender hands its tensor off)."""
     out = {}
     for key, first in ranks[0].items():
         kind, size = key.split("/")
         timed = [r[key] for i, r in enumerate(ranks) if kind != "send" or i % int(size) % 2 == 1] or [first]
-        out[key] = _fit([(n, statistics.fmean(pts[j][1] for pts in timed)) for j, (n, _) in enumerate(first)])
+        out[key] = [[n, statistics.fmean(pts[j][1] for pts in timed)] for j, (n, _) in enumerate(first)]
     return out
 
 
-def fit_in_step(runs: list[tuple[float, float, float, int, int, int]]) -> tuple[float, float, float, float]:
+def fit_in_step(runs: list[tuple[float, float, float, float, int, int, int]]) -> tuple[float, float, float, float]:
     """(comm_scale, call_s, send_s, sync_s) of runs given as (measured step, its predicted compute and bubble,
-    its collectives as measured alone, in seconds; its calls from hooks, its sends, its other calls): least
-    squares of the steps' relative error, non-negative (Note [calibration]); (1, 0, 0, 0) without runs."""
+    its overlapped collectives as measured alone, its waited ones so, in seconds; its calls from hooks, its
+    sends, its other calls): least squares of the steps' relative error, non-negative (Note [calibration]);
+    (1, 0, 0, 0) without runs."""
     if not runs:
         return 1.0, 0.0, 0.0, 0.0
-    scale, call, send, sync = nnls([[comm / step, hooked / step, sends / step, other / step]
-                                    for step, _, comm, hooked, sends, other in runs],
-                                   [(step - rest) / step for step, rest, *_ in runs])
+    scale, call, send, sync = nnls([[overlapped / step, hooked / step, sends / step, other / step]
+                                    for step, _, overlapped, _, hooked, sends, other in runs],
+                                   [(step - rest - waited) / step for step, rest, _, waited, *_ in runs])
     return scale, call, send, sync
+
+
+def _reference(kind: str, width: int, depth: int, batch: int, device: torch.device):
+    """A reference training step (forward, backward, clipping, AdamW, gradient reset) of a plain torch model:
+    an MLP (matrix products, GELU) or a small pre-norm transformer (attention, layer norms, softmax)."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        layers = [nn.Linear(32, width), nn.GELU()]
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.GELU()]
+        model = nn.Sequential(*layers, nn.Linear(width, 4)).to(device)
+        x, y = torch.randn(batch, 32, device=device), torch.randn(batch, 4, device=device)
+    else:
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        model = nn.Sequential(nn.TransformerEncoder(layer, depth, enable_nested_tensor=False),
+                              nn.Linear(width, 4)).to(device)
+        x, y = torch.randn(batch, 32, width, device=device), torch.randn(batch, 32, 4, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def resident() -> int:  # the bytes a step keeps touching: weights, their gradients, AdamW's state, the batch
+        weights = sum(p.nbytes for p in model.parameters())
+        state = sum(t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        return 2 * weights + state + x.nbytes + y.nbytes
+
+    step.resident = resident
+    return step
+
+
+# The reference steps the compute terms are fitted to: (kind, width, depth, batch), from dispatch-bound to
+# product-bound and memory-bound (the optimizer's step over many weights), the last beyond a 32 MiB cache.
+REFERENCES = (("mlp", 16, 2, 4), ("mlp", 64, 8, 16), ("mlp", 256, 4, 64), ("mlp", 512, 4, 16),
+              ("mlp", 512, 2, 512), ("mlp", 1024, 2, 32), ("transformer", 64, 2, 8), ("transformer", 128, 2, 16),
+              ("mlp", 1024, 6, 64))
+
+
+def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3,
+                  products: dict[str, float] | None = None, together=lambda: None, replay: bool = True,
+                  share: float = 1.0, workers: int = 1) -> list[tuple[dict, float, dict | None]]:
+    """(the work of one step, Note [step work]; its measured seconds; its op calls timed one by one,
+    parallel.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step.
+    `products`: the rates just measured, which the replay's probe is held to as parallel.cost holds a
+    plan's (x `share`, the threads per core they were measured with). `together`: called before each step
+    is timed and around the replays (launch/calibrate.py's processes: a barrier, so that each times its
+    steps while the others time theirs, as a run's workers step together; then one process replays the
+    steps alone, as launch/plan.py replays a plan's calls, while the others wait); `workers`: the processes
+    whose steps share this machine's caches (each call replayed over operands spanning their bytes, as
+    parallel.cost replays a plan's)."""
+    out = []
+    for ref in references:
+        step = _reference(*ref, device)
+        step()
+        with Work() as work:
+            step()
+        together()
+        out.append((work, _timed(step, device, seconds, least=3, batches=3), step.resident() * workers))
+    together()
+    rate = products[str(PROBE)] * share if products else None
+    player = Replay(device, probe_s=probe_seconds(rate) if rate else None) if replay else None
+    timed = [player.price(work.calls, None, span=span) if player else None for work, _, span in out]
+    together()
+    return [(work.as_dict(), measured, t) for (work, measured, _), t in zip(out, timed)]
 
 
 def _send_pair(x: torch.Tensor, me: int, group) -> None:

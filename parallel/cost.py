@@ -41,11 +41,14 @@ For each rank role the planner gives the work of one step; its time is
                the 125M Llama of benchmarks/hf.py on 2 ranks here (stage
                compute 2.2 and 2.7 s, 2 microbatches): the slow stage idle
                10% of its schedule, where b is 33%.
-    comm       per collective kind and group size: calls x its latency +
-               bytes handed / its bandwidth, both fitted from the measured
-               calls (gloo's reduce-scatter, an all-reduce inside, is what
-               was measured, not what a ring would do); DDP's buckets are
-               calls of their own (1 MiB first, then 25 MiB)
+    comm       per collective kind and group size: calls x one call's
+               measured time at their mean size (the line through the two
+               measured sizes around it; gloo's reduce-scatter, an
+               all-reduce inside, is what was measured, not what a ring
+               would do), x comm_scale for the calls that overlap compute
+               (DDP's buckets; on GPUs also FSDP2's), + a time per call by
+               how the step makes it (Note [calibration]); DDP's buckets
+               are calls of their own (1 MiB first, then 25 MiB)
     transfers  bytes offload moves to and from its disk tier / the disk
                bandwidth measured at start (0 when nothing goes to disk)
     step       compute + bubble + comm + transfers, of the slowest role
@@ -54,15 +57,17 @@ Timing the calls replaces a model of kernels (how fast a product of this
 shape runs, what GELU costs) with the kernels themselves; what they cost
 inside a step beyond that is the operands' place (in the cache or not: the
 operand sets), and the allocator's and autograd's bookkeeping (the replay
-scale and time per op). The reference steps of parallel.calibration took
+scale and time per op). The reference steps of parallel.calibration_runs took
 1.2-2.4x the sum of their calls timed on one set of operands here (the most
 where large weights meet small batches), 0.94-1.49x over sets that span
 them; the 125M Llama of benchmarks/hf.py at batch 2, two processes stepping
 at once, 2.5-3.1 s against 2.58 s of calls over such sets (2.38 s on one
-set). On the CPU the workers' threads take every core, so communication
-does not overlap compute: the terms add. On GPUs they
-would (DDP's buckets with backward, FSDP2's prefetch, a pipeline's sends):
-the model adds them there too, an upper bound until it is measured on one. It
+set). On the CPU only DDP's bucket all-reduces overlap compute (issued from
+backward's hooks while backward goes on; one overlapped so cost 0.1-0.6x its
+time alone here): FSDP2 waits on each all-gather and reduce-scatter where no
+streams run them, tensor parallelism and ZeRO-1's broadcast wait at once.
+On GPUs FSDP2's prefetch overlaps as well (comm_scale, fitted on the GPUs'
+own runs); a pipeline's sends are priced as waited, an upper bound. It
 leaves out: the first steps' warm-up, the Python of hooks (FSDP2's, DDP's)
 and of a pipeline's schedule, the collectives DTensor makes inside an op's
 dispatch (an operand redistributed before the op; those of the layers'
@@ -80,7 +85,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.calibration import Calibration, cores, quick
+from parallel.calibration import OVERLAPPED, Calibration, call_seconds, cores, quick
 from parallel.config import Config, ConfigError, cuda_run, pipelined, strategy_spec
 from parallel.hardware import worker_threads
 from parallel.replay import PROBE, Replay, probe_seconds
@@ -252,8 +257,10 @@ def describe(cal: Calibration) -> str:
             f"products {cal.products[big] / 1e9:.1f} GFLOP/s at {big}, {cal.op_s * 1e6:.1f} us per op, "
             f"{cal.dtensor_op_s * 1e6:.1f} us more on DTensors, op calls timed alone x {cal.replay_scale:.2f} + "
             f"{cal.replay_op_s * 1e6:.1f} us in a step"
-            + (f", all-reduce {cal.comm[k][1] / 1e9:.2f} GB/s" if (k := next(
-                (k for k in cal.comm if k.startswith("allreduce/")), None)) else "")
-            + (f", collectives in a step x {cal.comm_scale:.2f} + {cal.call_s * 1e3:.2f} ms a call from hooks "
+            + (f", all-reduce {(n := max(cal.comm[k])[0]) / max(call_seconds(cal.comm[k], n), 1e-12) / 1e9:.2f} "
+               f"GB/s at {n >> 20} MiB" if (k := next((k for k in cal.comm if k.startswith("allreduce/")), None))
+               else "")
+            + (f", overlapped collectives in a step ({', '.join(OVERLAPPED[cal.kind])}) x {cal.comm_scale:.2f}, "
+               f"+ {cal.call_s * 1e3:.2f} ms a call from hooks "
                f"(FSDP2's, DDP's buckets) + {cal.send_s * 1e3:.2f} ms a send + {cal.sync_s * 1e3:.2f} ms any "
                f"other call" if cal.comm_scale != 1.0 or cal.call_s or cal.send_s or cal.sync_s else ""))

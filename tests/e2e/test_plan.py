@@ -154,7 +154,8 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
     assert rates["world"] == 2 and rates["threads"] >= 1 and rates["op_s"] > 0 and rates["dtensor_op_s"] > 0
     assert rates["replay_scale"] > 0 and rates["replay_op_s"] >= 0
     assert {f"{k}/2" for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")} == \
-        set(rates["comm"]) and all(bw > 0 and lat >= 0 for lat, bw in rates["comm"].values())
+        set(rates["comm"]) and all([n for n, _ in pts] == [4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20] and
+                                  all(t > 0 for _, t in pts) for pts in rates["comm"].values())
     out = plan(["strategy=data", "strategy.zero=3", "world_size=2", f"plan.calibration={cal}", f"run_dir={tmp_path}"],
                cwd=tmp_path).stdout
     assert "step time: predicted" in out and "rates launch/calibrate.py" in out

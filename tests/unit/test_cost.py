@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from parallel.calibration import Calibration, fit_replay, measure_dtensor_op, quick
-from parallel.calibration_runs import _fit, fit_comm, fit_in_step
+from parallel.calibration import Calibration, call_seconds, fit_replay, measure_dtensor_op, quick
+from parallel.calibration_runs import fit_comm, fit_in_step
 from parallel.config import Config, ConfigError
 from parallel.cost import comm_time, compute_time, load, step_times
 from parallel.hardware import last_level_cache
@@ -118,13 +118,17 @@ def test_pricing_is_the_stated_sum():
     # a group size not measured: the nearest measured one; a kind not measured: the all-reduce's fit
     alone = (2e-4 + 1e6 / 1e9) + (2e-4 + 1e6 / 5e8) + (1e-4 + 1e6 / 1e9)
     assert comm_time(work, cal) == pytest.approx(alone)
-    # in a step: x comm_scale, + call_s a call from hooks (an all-gather here), + send_s a send, + sync_s any
-    # other call
+    # in a step: + call_s a call from hooks (an all-gather here), + send_s a send, + sync_s any other call;
+    # comm_scale for none of these on a CPU (waited where they are made)
     in_step = _cal(comm_scale=2.0, call_s=3e-3, send_s=5e-3, sync_s=1e-3)
-    assert comm_time(work, in_step) == pytest.approx(2 * alone + 3e-3 + 5e-3 + 2 * 1e-3)
-    # DDP's buckets: the all-reduce's fit, and the time per call from hooks
+    assert comm_time(work, in_step) == pytest.approx(alone + 3e-3 + 5e-3 + 2 * 1e-3)
+    # DDP's buckets: the all-reduce's measured time x comm_scale (they overlap backward), and the time per call
+    # from hooks
     buckets = {"comm": {"bucket/2": [2, 1e6]}}
     assert comm_time(buckets, in_step) == pytest.approx(2 * (2 * 1e-4 + 1e6 / 1e9) + 2 * 3e-3)
+    # on GPUs FSDP2's all-gathers overlap too (their own streams)
+    gpus = dataclasses.replace(in_step, device="NVIDIA H100")
+    assert comm_time(work, gpus) == pytest.approx(alone + (2e-4 + 1e6 / 5e8) + 3e-3 + 5e-3 + 2 * 1e-3)
 
 
 def test_a_pipeline_s_bubble_is_the_other_stages_forward_and_backward():
@@ -158,10 +162,22 @@ def test_a_pipeline_s_bubble_is_the_other_stages_forward_and_backward():
     assert step_times(cfg, [old, role(24e9, 0)], cal, 2)["bubble"] == pytest.approx(0.5 * 1.0)
 
 
-def test_fit_recovers_latency_and_bandwidth():
-    points = [(n, 3e-5 + n / 2e9) for n in (4096, 65536, 1 << 20, 16 << 20)]
-    latency, bandwidth = _fit(points)
-    assert latency == pytest.approx(3e-5, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+def test_one_call_s_time_is_read_between_the_measured_sizes():
+    """The line through the two measured sizes around a call's; below the smallest its time; above the largest
+    the last interval's rate carried on (a large call's time grows faster than a small one's here: a 256 MB
+    all-gather took 5.2x a 64 MB one)."""
+    points = [[4096, 1e-4], [1 << 20, 3e-4], [16 << 20, 3e-3], [64 << 20, 20e-3]]
+    assert call_seconds(points, 4096) == call_seconds(points, 8) == pytest.approx(1e-4)
+    assert call_seconds(points, 1 << 20) == pytest.approx(3e-4)
+    assert call_seconds(points, 8.5 * (1 << 20)) == pytest.approx((3e-4 + 3e-3) / 2)
+    assert call_seconds(points, 160 << 20) == pytest.approx(20e-3 + 2 * 17e-3)
+    assert call_seconds(list(reversed(points)), 40 << 20) == pytest.approx((3e-3 + 20e-3) / 2)
+    # a file of [latency, bandwidth] fits loads as the same line
+    old = Calibration(torch=torch.__version__, device="cpu", world=2, threads=1, cores=2,
+                      comm={"allreduce/2": [1e-4, 1e9]})
+    assert all(call_seconds(old.comm["allreduce/2"], n) == pytest.approx(1e-4 + n / 1e9)
+               for n in (1, 4096, 1 << 20, 1 << 30))
+    assert dataclasses.replace(old).comm == old.comm
 
 
 def test_a_tensor_parallel_rank_is_charged_its_shards_not_the_whole_product():
@@ -193,21 +209,22 @@ def test_comm_fits_average_the_ranks_and_take_a_send_s_receiver():
     ranks = [{"allreduce/2": [(n, lat + n / 1e9) for n in sizes], "send/2": [(n, slat + n / 1e9) for n in sizes]}
              for lat, slat in ((1e-4, 1e-5), (3e-4, 2e-3))]  # rank 1 receives rank 0's sends
     fits = fit_comm(ranks)
-    assert fits["allreduce/2"] == pytest.approx([2e-4, 1e9], rel=1e-6)
-    assert fits["send/2"] == pytest.approx([2e-3, 1e9], rel=1e-6)
+    assert fits["allreduce/2"] == [[n, pytest.approx(2e-4 + n / 1e9)] for n in sizes]
+    assert fits["send/2"] == [[n, pytest.approx(2e-3 + n / 1e9)] for n in sizes]
 
 
 def test_collectives_in_a_step_fit_the_runs_relative_error():
-    """A run = its compute + comm_scale x its collectives timed alone + call_s per call from hooks + send_s per
-    send + sync_s per other call: the four recovered from four runs; a run faster than its predicted compute
-    stays in the fit (its relative error weighs as any run's), which stays non-negative."""
-    runs = [(0.2, 0.12, 0.05, 4, 0, 0), (0.09, 0.02, 0.03, 20, 0, 0), (0.05, 0.02, 0.005, 0, 0, 7),
-            (0.04, 0.03, 0.002, 0, 8, 1)]
-    made = [(rest + 1.5 * comm + 2e-3 * hooked + 4e-3 * sends + 1e-3 * other, rest, comm, hooked, sends, other)
-            for _, rest, comm, hooked, sends, other in runs]
+    """A run = its compute + its waited collectives timed alone + comm_scale x its overlapped ones (DDP's) +
+    call_s per call from hooks + send_s per send + sync_s per other call: the four recovered from four runs;
+    a run faster than its predicted compute stays in the fit (its relative error weighs as any run's), which
+    stays non-negative."""
+    runs = [(0.2, 0.12, 0.05, 0.0, 4, 0, 0), (0.09, 0.02, 0.0, 0.03, 20, 0, 0), (0.05, 0.02, 0.0, 0.005, 0, 0, 7),
+            (0.04, 0.03, 0.0, 0.002, 0, 8, 1)]
+    made = [(rest + waited + 1.5 * overlapped + 2e-3 * hooked + 4e-3 * sends + 1e-3 * other, rest, overlapped,
+             waited, hooked, sends, other) for _, rest, overlapped, waited, hooked, sends, other in runs]
     assert fit_in_step(made) == pytest.approx((1.5, 2e-3, 4e-3, 1e-3))
     assert fit_in_step([]) == (1.0, 0.0, 0.0, 0.0)
-    bent = fit_in_step([(0.1, 0.12, 0.05, 4, 0, 0)] + made[1:])
+    bent = fit_in_step([(0.1, 0.12, 0.05, 0.0, 4, 0, 0)] + made[1:])
     assert min(bent) >= 0 and bent != pytest.approx((1.5, 2e-3, 4e-3, 1e-3))
 
 
