@@ -47,9 +47,9 @@ they share are in every figure), and each measures:
                framework's is (FSDP2's gathers and reduce-scatters, ZeRO-1's
                broadcast, an all-to-all): on a CPU its pages are first
                touched there (a 250 MB broadcast into a new buffer took
-               240-410 ms here, into a used one 110-120). On a CPU each
-               call follows a short computation, as in a step, not a
-               barrier: the backend's threads then wake on cores the
+               410 ms on the receiver here, into a used one 110-120). On a
+               CPU each call follows a short computation, as in a step, not
+               a barrier: the backend's threads then wake on cores the
                computation holds, and the peers arrive a little apart
 
     in a step  runs of the framework itself on W workers (the built-in
