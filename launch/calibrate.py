@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from parallel.calibration import CALL_CLASSES, OVERLAPPED, call_class  # noqa: E402
 from parallel.calibration_runs import calibrate, fit_in_step  # noqa: E402
 from parallel.config import ConfigError, RunError  # noqa: E402
-from parallel.cost import describe  # noqa: E402
+from parallel.cost import comm_time, describe  # noqa: E402
 from parallel.entry import reported  # noqa: E402
 
 OPTIONS = {"nproc": None, "trainer.device": "auto", "out": "calibration.json", "runs": "true"}
@@ -125,8 +125,9 @@ def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
             comm = max((p.work["comm"] for p in plans), key=lambda c: sum(n for n, _ in c.values()))
             hooked, sends, other = (sum(n for k, (n, _) in comm.items() if call_class(k.split("/")[0]) == c)
                                     for c in CALL_CLASSES)
-            overlapped = sum(cal.comm_time(k.split("/")[0], int(k.split("/")[1]), n, b) for k, (n, b) in comm.items()
-                             if k.split("/")[0] in OVERLAPPED[cal.kind])  # alone: cal's in-step terms unfitted yet
+            # alone: cal's in-step terms are not fitted yet
+            overlapped = comm_time({"comm": {k: v for k, v in comm.items() if k.split("/")[0] in OVERLAPPED[cal.kind]}},
+                                   cal)
             runs.append((measured, t["step"] - t["comm"], overlapped, t["comm"] - overlapped, hooked, sends, other))
             lines.append(f"{' '.join(strategy)} (hidden {hidden}): measured {measured * 1e3:.1f} ms, predicted "
                          f"{t['step'] * 1e3:.1f} (compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, "
