@@ -294,9 +294,13 @@ def measure_ops(device: torch.device, seconds: float = 0.1, least: int = 3, roun
             step(depth)
         ops[depth] = counted.ops
     # Timed one after the other, a slow stretch over the shallow step alone made the slope 0 (the suite's other
-    # test process, once).
-    times = _fastest_alternating({d: (lambda d=d: step(d)) for d in (1, 8)}, device, seconds / (2 * rounds),
-                                 rounds, least)
+    # test process, once); alternated, a slow stretch over the shallow step's batches still did (once in a
+    # suite run): an op costs something, so such a slope is measured again, up to three times.
+    for _ in range(3):
+        times = _fastest_alternating({d: (lambda d=d: step(d)) for d in (1, 8)}, device, seconds / (2 * rounds),
+                                     rounds, least)
+        if times[8] > times[1]:
+            break
     per_op = max((times[8] - times[1]) / (ops[8] - ops[1]), 0.0)
     return per_op, max(times[1] - per_op * ops[1], 0.0)
 

@@ -10,10 +10,17 @@ For each rank role the planner gives the work of one step; its time is
                the rank runs it, on its local shards) run here on real
                tensors and timed (parallel.replay), x how often the step
                makes it. On a CPU each call is timed over operand sets that
-               span the step's bytes (weights, gradients, optimizer state,
-               activations) times the machine's workers, up to twice the
-               last-level cache: a step that passes the cache finds its
+               span the bytes a step passes over once (weights, gradients,
+               optimizer state) times the machine's workers, rounded up to
+               a power of two (parallel.replay.Replay.copies), up to twice
+               the last-level cache: a step that passes the cache finds its
                operands evicted, as a call repeated on one set does not.
+               Activations are left out of the span: each is read soon after
+               it is made (the calibration's reference steps are replayed so
+               too; the gpt of benchmarks/auto.py, a worker's step and its
+               calls timed in turn in one process here, two processes at
+               once: 113-121 ms stepped, 116 ms replayed so, 119-151 ms with
+               its 44 MB of activations in the span).
                Their sum x the replay scale, + the replay's time per op,
                both fitted to launch/calibrate.py's reference steps (1 and
                0 without such a file); a call that cannot run without real
@@ -231,7 +238,7 @@ def step_times(cfg: Config, plans: list, cal: Calibration, world: int, disk: flo
         if replay is None or not p.calls:
             return compute_parts(p.work, cal, factor)
         # the workers of this machine share its caches: their steps' bytes together (Note [cost model])
-        timed = replay.price(p.calls, cal, span=(p.params + p.grads + p.optimizer + p.activations) * world)
+        timed = replay.price(p.calls, cal, span=(p.params + p.grads + p.optimizer) * world)
         return {"products": timed["products"] * cal.replay_scale * factor,
                 "memory": timed["memory"] * cal.replay_scale * factor,
                 "ops": (p.work["ops"] * cal.replay_op_s + dtensor_time(p.work, cal) + cal.step_s) * factor}
