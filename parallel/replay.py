@@ -81,7 +81,7 @@ class Replay:
 
     On a CPU a call is timed on its operands as the step finds them (Note [cost model]): over `copies` sets
     of operands in turn that together span the bytes the step passes over once (weights, gradients,
-    optimizer state, of every worker sharing the last-level cache; Note [cost model]), up to twice that cache. A step the cache
+    optimizer state, of every worker sharing the last-level cache), up to twice that cache. A step the cache
     holds finds them there, not in the caches closer to the core, where a call repeated on one set does; a
     step that passes it finds them evicted by the rest of the step.
     """
