@@ -265,8 +265,8 @@ def measure_memory(device: torch.device, seconds: float = 0.05, top: int = MEMOR
     def add_time(nbytes: int) -> float:
         n = max(1, nbytes // 12)  # two float32 inputs read, one output written
         a, b = torch.ones(n, device=device), torch.ones(n, device=device)
-        # 10 calls a batch at least where a call is microseconds; 3 where it is milliseconds (a 256 MiB class:
-        # 30-60 ms a call here, 2.5 s of the calibration at 10)
+        # 10 calls a batch at least where a call is microseconds; 3 where it is milliseconds (the 256 MiB class:
+        # about 60 ms a call here, 2.5 s of the calibration at 10)
         return _timed(lambda: torch.add(a, b), device, seconds, least=10 if nbytes <= 1 << 20 else 3)
 
     base = add_time(12)
