@@ -33,10 +33,10 @@ CASES = {
     "hybrid_dp_tp_zero3_recompute": (4, BIG + ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.zero=3",
                                                "strategy.activations=checkpoint"]),
     # Each sequence split over the cp ranks: a quarter of the tokens' activations per rank; attention's
-    # gathered keys and values are transient. Six blocks: on a busy machine gloo's worker thread can hold a
-    # finished all-gather's tensors until it runs again; a suite run measured two blocks' peak with one block's
-    # gathered keys and values (and its stacked input) alive past their last use, 11% over the plan. Six
-    # blocks put the same bytes at 4-5% of the peak.
+    # gathered keys and values are transient. Six blocks: in some runs one block's all-gather (its stacked
+    # input and gathered output) outlives its last use, by a race (held by the collective's work, it seems):
+    # 11% over a two-block plan in a CI suite run, exactly those bytes; 4.4-5.0% of a six-block peak in 4 of 8
+    # runs in new interpreters here, the plan exact in the others.
     "context_gpt": (2, GPT + ["strategy=context", "data.seq_len=64", "model.args.seq_len=64", "model.args.layers=6"]),
     "hybrid_dp_cp_zero3": (4, GPT + ["strategy=hybrid", "strategy.dp=2", "strategy.cp=2", "strategy.zero=3",
                                      "data.seq_len=64", "model.args.seq_len=64", "model.args.layers=6"]),
