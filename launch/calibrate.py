@@ -5,17 +5,17 @@ parallel/calibration.py).
 
 Starts N processes at once, as a run of N workers does (N: the GPUs under CUDA, else 1), measures matrix
 products by size, memory-bound ops, reference training steps, and every collective kind on every group size
-dividing N; then (N > 1) runs the framework itself on N workers (data zero 0 and 3, model, pipeline) to fit
-what collectives and sends cost inside a step (runs=false: not, ~35 s less; they are then priced as measured
-alone);
-writes calibration.json. Use it with `plan.calibration=PATH` in launch/plan.py and with
+dividing N; then (N > 1) runs the framework itself on N workers (data zero 3, model, pipeline; on GPUs also
+data zero 0) to fit what collectives and sends cost inside a step (runs=false: not, ~25 s less here; they are
+then priced as measured alone); writes calibration.json. Use it with `plan.calibration=PATH` in launch/plan.py and with
 strategy=auto; made on one node of a cluster, it prices plans for that cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -65,25 +65,50 @@ def parse(argv: list[str]) -> dict:
     return {"nproc": nproc, "cuda": cuda, "out": options["out"], "runs": options["runs"] == "true"}
 
 
-# The framework's own runs the collectives in a step are fitted to (Note [calibration]): each strategy's, and
-# the width of its MLP. Data zero 0's is wide, its gradients' all-reduces large beside its compute (57 MB of
-# them at hidden 1536, 0.04-0.07 s alone here): what the time per byte in a step is fitted to; the others' small
-# calls fix the time per call.
-REFERENCE_RUNS = ((["strategy=data", "strategy.zero=0"], 1536), (["strategy=data", "strategy.zero=3"], 512),
-                  (["strategy=model"], 512), (["strategy=pipeline", "strategy.microbatches=8"], 512))
-REFERENCE_MODEL = ["model.args.depth=6", "trainer.steps=18", "trainer.log_every=6", "trainer.progress=false"]
+# The framework's own runs the collectives in a step are fitted to (Note [calibration]): each strategy's, the
+# width of its MLP, and whether it is run only where the overlap of DDP's all-reduces with backward is fitted
+# (GPUs; a CPU's workers fill its cores, and a collective's copies and sums take core time from the
+# computation beside it: comm_scale 1). Data zero 0's is wide, its gradients' all-reduces large beside its
+# compute (57 MB of them at hidden 1536, 0.04-0.07 s alone here): what the overlap is fitted to; the others'
+# small calls fix the time per call.
+REFERENCE_RUNS = ((["strategy=data", "strategy.zero=0"], 1536, True), (["strategy=data", "strategy.zero=3"], 512, False),
+                  (["strategy=model"], 512, False), (["strategy=pipeline", "strategy.microbatches=8"], 512, False))
+# 30 steps: the mean of each 6 after the sixth, and the median of those four means, which a stretch of a few
+# slow steps (another process on the cores) moves less than their mean (windows of one run here: 231-268 ms)
+REFERENCE_MODEL = ["model.args.depth=6", "trainer.steps=30", "trainer.log_every=6", "trainer.progress=false"]
 
 
-def _script(name: str, args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", name), *args], capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RunError(f"calibrate: the reference run `{name} {' '.join(args)}` failed: "
-                       f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+@contextlib.contextmanager
+def _quiet():
+    """This process's standard output, and its workers' (forked with it), to /dev/null: a reference run's log
+    lines are not calibrate's."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        os.dup2(null.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _train(cfg, overrides: list[str], nproc: int, run_dir: str) -> None:
+    """A reference run on `nproc` workers started from this process (as launch/train.py starts them; here
+    without a second interpreter's imports, ~3 s a run)."""
+    from parallel.config import to_dict
+    from parallel.launcher import launch
+
+    try:
+        with _quiet():
+            launch(to_dict(cfg), run_dir, nproc)
+    except Exception as e:  # noqa: BLE001 - named in one line, as a failed script's last line was
+        raise RunError(f"calibrate: the reference run `{' '.join(overrides)}` failed: "
+                       f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
 
 
 def _planned(overrides: list[str], nproc: int, cal):
-    """The reference run's plans and their predicted step time, priced with `cal`, planned in this process (as
+    """The reference run's config, its plans and their predicted step time, priced with `cal`, planned in this process (as
     launch/plan.py would with plan.calibration; a plan a process makes costs a second of imports less here).
 
     Raises:
@@ -99,7 +124,7 @@ def _planned(overrides: list[str], nproc: int, cal):
         cfg = to_config(compose("config", overrides=overrides))
     validate(cfg, nproc)
     plans = plan(cfg, nproc)
-    return plans, step_times(cfg, plans, cal, nproc, replay=replay_for(cfg, cal, nproc))
+    return cfg, plans, step_times(cfg, plans, cal, nproc, replay=replay_for(cfg, cal, nproc))
 
 
 def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
@@ -109,19 +134,21 @@ def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
     runs, lines = [], []
     device = ["trainer.device=cuda" if cuda else "trainer.device=cpu"]
     with tempfile.TemporaryDirectory(prefix="calibrate-runs-") as tmp:
-        for i, (strategy, hidden) in enumerate(REFERENCE_RUNS):
+        for i, (strategy, hidden, overlap_only) in enumerate(REFERENCE_RUNS):
+            if overlap_only and not cuda:
+                continue
             common = [*strategy, f"model.args.hidden={hidden}", *REFERENCE_MODEL, *device,
                       f"trainer.batch_size={64 * nproc}"]
             try:
-                plans, t = _planned(common, nproc, cal)
+                cfg, plans, t = _planned(common, nproc, cal)
             except ConfigError as e:
                 lines.append(f"{' '.join(strategy)}: left out ({e})")
                 continue
             run = os.path.join(tmp, f"run{i}")
-            _script("train.py", [*common, f"nproc={nproc}", f"run_dir={run}"])
+            _train(cfg, common, nproc, run)
             with open(os.path.join(run, "metrics.jsonl")) as f:
                 times = [r["step_time_s"] for r in map(json.loads, f) if "step_time_s" in r and r["step"] > 6]
-            measured = sum(times) / len(times)
+            measured = statistics.median(times)
             comm = max((p.work["comm"] for p in plans), key=lambda c: sum(n for n, _ in c.values()))
             hooked, sends, other = (sum(n for k, (n, _) in comm.items() if call_class(k.split("/")[0]) == c)
                                     for c in CALL_CLASSES)
@@ -133,7 +160,7 @@ def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
                          f"{t['step'] * 1e3:.1f} (compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, "
                          f"comm {t['comm'] * 1e3:.1f}; {hooked} calls from hooks, {sends} sends, {other} other "
                          f"collectives)")
-    cal.comm_scale, cal.call_s, cal.send_s, cal.sync_s = fit_in_step(runs)
+    cal.comm_scale, cal.call_s, cal.send_s, cal.sync_s = fit_in_step(runs, overlap=cuda)
     return lines
 
 
@@ -148,14 +175,15 @@ def main() -> None:
     t0 = time.perf_counter()
     cal = calibrate(options["nproc"], options["cuda"])
     if options["nproc"] > 1 and options["runs"]:
-        print(f"calibrate: the framework's own runs on {options['nproc']} workers (data zero 0 and 3, model, "
-              f"pipeline) ...", flush=True)
+        print(f"calibrate: the framework's own runs on {options['nproc']} workers ("
+              f"{'data zero 0 and 3' if options['cuda'] else 'data zero 3'}, model, pipeline) ...", flush=True)
         for line in fit_to_runs(cal, options["nproc"], options["cuda"]):
             print(f"calibrate: {line}")
-        print(f"calibrate: collectives in a step: x {cal.comm_scale:.2f} the measured time of those that overlap "
-              f"compute ({', '.join(OVERLAPPED[cal.kind])}), + "
-              f"{cal.call_s * 1e3:.2f} ms a call from hooks (FSDP2's, DDP's buckets), + {cal.send_s * 1e3:.2f} ms a "
-              f"send, + {cal.sync_s * 1e3:.2f} ms any other call")
+        overlap = (f"x {cal.comm_scale:.2f} the measured time of those that overlap compute "
+                   f"({', '.join(OVERLAPPED[cal.kind])})" if options["cuda"] else
+                   "DDP's all-reduces as measured alone (the workers fill the cores)")
+        print(f"calibrate: collectives in a step: {overlap}, + {cal.call_s * 1e3:.2f} ms a call from hooks (FSDP2's, "
+              f"DDP's buckets), + {cal.send_s * 1e3:.2f} ms a send, + {cal.sync_s * 1e3:.2f} ms any other call")
     cal.write(options["out"])
     print(f"calibrate: {describe(cal)}")
     print(f"written: {options['out']} ({time.perf_counter() - t0:.0f} s)")

@@ -58,6 +58,9 @@ def measure_comm(rank: int, world: int, device: torch.device,
     import torch.distributed as dist
 
     cuda = device.type == "cuda"
+    # the names of torch 2.13 on (the older ones warn there), else those before
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     burst = None if cuda else _burst(device)
     out = {}
     for size in (s for s in range(2, world + 1) if world % s == 0):
@@ -72,10 +75,9 @@ def measure_comm(rank: int, world: int, device: torch.device,
             # its pages are touched first by the call (Note [calibration]); an all-reduce works in place
             calls = {
                 "allreduce": lambda: dist.all_reduce(x, group=group),
-                "allgather": lambda: dist.all_gather_into_tensor(torch.empty(n * size, device=device), x,
-                                                                 group=group),
-                "reducescatter": lambda: dist.reduce_scatter_tensor(torch.empty(max(1, n // size), device=device),
-                                                                    x[:max(1, n // size) * size], group=group),
+                "allgather": lambda: gather(torch.empty(n * size, device=device), x, group=group),
+                "reducescatter": lambda: scatter(torch.empty(max(1, n // size), device=device),
+                                                      x[:max(1, n // size) * size], group=group),
                 "alltoall": lambda: dist.all_to_all_single(torch.empty_like(x[:n - n % size]),
                                                            x[:n - n % size], group=group),
                 "broadcast": lambda: dist.broadcast(x if me == 0 else torch.empty_like(x),
@@ -114,13 +116,20 @@ def fit_comm(ranks: list[dict[str, list[tuple[int, float]]]]) -> dict[str, list[
     return out
 
 
-def fit_in_step(runs: list[tuple[float, float, float, float, int, int, int]]) -> tuple[float, float, float, float]:
+def fit_in_step(runs: list[tuple[float, float, float, float, int, int, int]],
+                overlap: bool = True) -> tuple[float, float, float, float]:
     """(comm_scale, call_s, send_s, sync_s) of runs given as (measured step, its predicted compute and bubble,
     its overlapped collectives as measured alone, its waited ones so, in seconds; its calls from hooks, its
     sends, its other calls): least squares of the steps' relative error, non-negative (Note [calibration]);
-    (1, 0, 0, 0) without runs."""
+    (1, 0, 0, 0) without runs. `overlap` false (a CPU the workers fill): comm_scale 1, not fitted."""
     if not runs:
         return 1.0, 0.0, 0.0, 0.0
+    if not overlap:
+        call, send, sync = nnls([[hooked / step, sends / step, other / step]
+                                 for step, _, _, _, hooked, sends, other in runs],
+                                [(step - rest - waited - overlapped) / step
+                                 for step, rest, overlapped, waited, *_ in runs])
+        return 1.0, call, send, sync
     scale, call, send, sync = nnls([[overlapped / step, hooked / step, sends / step, other / step]
                                     for step, _, overlapped, _, hooked, sends, other in runs],
                                    [(step - rest - waited) / step for step, rest, _, waited, *_ in runs])

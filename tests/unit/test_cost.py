@@ -215,8 +215,8 @@ def test_comm_fits_average_the_ranks_and_take_a_send_s_receiver():
 
 def test_collectives_in_a_step_fit_the_runs_relative_error():
     """A run = its compute + its waited collectives timed alone + comm_scale x its overlapped ones (DDP's) +
-    call_s per call from hooks + send_s per send + sync_s per other call: the four recovered from four runs;
-    a run faster than its predicted compute stays in the fit (its relative error weighs as any run's), which
+    call_s per call from hooks + send_s per send + sync_s per other call: the four recovered from four runs
+    (on a CPU the workers fill, comm_scale 1 and the other three); a run faster than its predicted compute stays in the fit (its relative error weighs as any run's), which
     stays non-negative."""
     runs = [(0.2, 0.12, 0.05, 0.0, 4, 0, 0), (0.09, 0.02, 0.0, 0.03, 20, 0, 0), (0.05, 0.02, 0.0, 0.005, 0, 0, 7),
             (0.04, 0.03, 0.0, 0.002, 0, 8, 1)]
@@ -226,6 +226,11 @@ def test_collectives_in_a_step_fit_the_runs_relative_error():
     assert fit_in_step([]) == (1.0, 0.0, 0.0, 0.0)
     bent = fit_in_step([(0.1, 0.12, 0.05, 0.0, 4, 0, 0)] + made[1:])
     assert min(bent) >= 0 and bent != pytest.approx((1.5, 2e-3, 4e-3, 1e-3))
+    # a CPU the workers fill: the overlapped calls as timed alone (comm_scale 1), the times per call fitted
+    cpu = [(rest + waited + overlapped + 2e-3 * hooked + 4e-3 * sends + 1e-3 * other, rest, overlapped, waited,
+            hooked, sends, other) for _, rest, overlapped, waited, hooked, sends, other in runs]
+    assert fit_in_step(cpu, overlap=False) == pytest.approx((1.0, 2e-3, 4e-3, 1e-3))
+    assert fit_in_step(made, overlap=False)[0] == 1.0
 
 
 def test_the_replay_scale_fits_what_steps_take_beyond_their_calls_timed_alone():
