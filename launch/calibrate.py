@@ -130,7 +130,7 @@ def _planned(overrides: list[str], nproc: int, cal):
 def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
     """Run REFERENCE_RUNS on `nproc` workers (those this world size can take), plan each priced with `cal`, and
     fit cal.comm_scale, cal.call_s, cal.send_s and cal.sync_s to their measured step times (`fit_in_step`); one
-    line per run: measured, predicted before the fit."""
+    line per run: measured, predicted before the fit (kept in cal.runs)."""
     runs, lines = [], []
     device = ["trainer.device=cuda" if cuda else "trainer.device=cpu"]
     with tempfile.TemporaryDirectory(prefix="calibrate-runs-") as tmp:
@@ -156,6 +156,9 @@ def fit_to_runs(cal, nproc: int, cuda: bool) -> list[str]:
             overlapped = comm_time({"comm": {k: v for k, v in comm.items() if k.split("/")[0] in OVERLAPPED[cal.kind]}},
                                    cal)
             runs.append((measured, t["step"] - t["comm"], overlapped, t["comm"] - overlapped, hooked, sends, other))
+            cal.runs.append({"run": " ".join(common), "measured_s": measured, "predicted_s": t["step"],
+                             "compute_s": t["compute"], "bubble_s": t["bubble"], "comm_s": t["comm"],
+                             "hooked": hooked, "sends": sends, "other": other})
             lines.append(f"{' '.join(strategy)} (hidden {hidden}): measured {measured * 1e3:.1f} ms, predicted "
                          f"{t['step'] * 1e3:.1f} (compute {t['compute'] * 1e3:.1f}, bubble {t['bubble'] * 1e3:.1f}, "
                          f"comm {t['comm'] * 1e3:.1f}; {hooked} calls from hooks, {sends} sends, {other} other "

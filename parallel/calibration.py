@@ -53,23 +53,32 @@ they share are in every figure), and each measures:
                computation holds, and the peers arrive a little apart
 
     in a step  runs of the framework itself on W workers (the built-in
-               MLP, depth 6, 64 samples a worker: data zero 0 at hidden
-               1536, whose gradients' all-reduces are large beside its
-               compute; zero 3, model, pipeline of 8 microbatches at hidden
-               512, whose calls are small; those the world size cannot take
-               are left out) against their plans priced with the rates
-               above: each run's step is fitted as its predicted compute
-               and bubble + its waited collectives timed alone +
-               comm_scale x its overlapped ones (OVERLAPPED: DDP's bucket
-               all-reduces, which backward's hooks issue while backward
-               goes on; on GPUs also FSDP2's, on their own streams; FSDP2
-               on a CPU waits on each) + call_s x its calls issued from
-               hooks (FSDP2's all-gathers and reduce-scatters, DDP's
-               buckets) + send_s x a pipeline's sends (its schedule's work
-               around them) + sync_s x every other collective call (waited
-               at once: tensor parallelism's, ZeRO-1's broadcast), least
-               squares of the steps' relative error, non-negative: each
-               term mostly fixed by one run.
+               MLP, depth 6, 64 samples a worker, 30 steps, its step the
+               median of the means of steps 7-12, ..., 25-30; zero 3,
+               model, pipeline of 8 microbatches at hidden 512, whose calls
+               are small; on GPUs also data zero 0 at hidden 1536, whose
+               gradients' all-reduces are large beside its compute; those
+               the world size cannot take are left out; their workers
+               started from launch/calibrate.py's own process) against
+               their plans priced with the rates above: each run's step is
+               fitted as its predicted compute and bubble + its waited
+               collectives timed alone + comm_scale x its overlapped ones
+               (OVERLAPPED: DDP's bucket all-reduces, which backward's hooks
+               issue while backward goes on; on GPUs also FSDP2's, on their
+               own streams; FSDP2 on a CPU waits on each) + call_s x its
+               calls issued from hooks (FSDP2's all-gathers and
+               reduce-scatters, DDP's buckets) + send_s x a pipeline's
+               sends (its schedule's work around them) + sync_s x every
+               other collective call (waited at once: tensor parallelism's,
+               ZeRO-1's broadcast), least squares of the steps' relative
+               error, non-negative: each term mostly fixed by one run. On a
+               CPU comm_scale is 1, not fitted: the workers fill the cores,
+               and a collective's copies and sums take core time from the
+               computation beside it (an async all-reduce beside products
+               here: 0.65-0.93x its time alone at 64 MiB, 1.04-1.51x at 16
+               MiB); fitted to the data zero 0 run it came to 0.00-1.44 in
+               fifteen calibrations, its all-reduces a fifth of that step
+               and within the noise of its predicted compute.
 
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
@@ -161,6 +170,9 @@ class Calibration:
     # (waited at once: tensor parallelism's all-reduces, ZeRO-1's broadcast), fitted with them.
     send_s: float = 0.0
     sync_s: float = 0.0
+    # The runs they were fitted to, as measured: [{"run", "measured_s", "predicted_s", "compute_s", "bubble_s",
+    # "comm_s", "hooked", "sends", "other"}, ...] (launch/calibrate.py; none with runs=false)
+    runs: list = field(default_factory=list)
     # "kind/group size" -> [[bytes, seconds of one call], ...] by size (a file with [latency s, bytes/s] loads)
     comm: dict[str, list] = field(default_factory=dict)
     made: str = ""  # how: "launch/calibrate.py" (with the date and host), or "measured at start"

@@ -53,7 +53,8 @@ For each rank role the planner gives the work of one step; its time is
                measured sizes around it; gloo's reduce-scatter, an
                all-reduce inside, is what was measured, not what a ring
                would do), x comm_scale for the calls that overlap compute
-               (DDP's buckets; on GPUs also FSDP2's), + a time per call by
+               (DDP's buckets, on GPUs also FSDP2's; 1 on a CPU, whose
+               cores the workers fill), + a time per call by
                how the step makes it (Note [calibration]); DDP's buckets
                are calls of their own (1 MiB first, then 25 MiB)
     transfers  bytes offload moves to and from its disk tier / the disk
@@ -69,10 +70,12 @@ scale and time per op). The reference steps of parallel.calibration_runs took
 where large weights meet small batches), 0.94-1.49x over sets that span
 them; the 125M Llama of benchmarks/hf.py at batch 2, two processes stepping
 at once, 2.5-3.1 s against 2.58 s of calls over such sets (2.38 s on one
-set). On the CPU only DDP's bucket all-reduces overlap compute (issued from
-backward's hooks while backward goes on; one overlapped so cost 0.1-0.6x its
-time alone here): FSDP2 waits on each all-gather and reduce-scatter where no
-streams run them, tensor parallelism and ZeRO-1's broadcast wait at once.
+set). On the CPU DDP's bucket all-reduces, issued from backward's hooks while
+backward goes on, are priced at their time alone (comm_scale 1: the workers
+fill the cores, and an all-reduce beside products cost 0.1-1.5x its time
+alone here, by size and run; Note [calibration]): FSDP2 waits on each
+all-gather and reduce-scatter where no streams run them, tensor parallelism
+and ZeRO-1's broadcast wait at once.
 On GPUs FSDP2's prefetch overlaps as well (comm_scale, fitted on the GPUs'
 own runs); a pipeline's sends are priced as waited, an upper bound. It
 leaves out: the first steps' warm-up, the Python of hooks (FSDP2's, DDP's)
