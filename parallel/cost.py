@@ -270,7 +270,8 @@ def describe(cal: Calibration) -> str:
             + (f", all-reduce {(n := max(cal.comm[k])[0]) / max(call_seconds(cal.comm[k], n), 1e-12) / 1e9:.2f} "
                f"GB/s at {n >> 20} MiB" if (k := next((k for k in cal.comm if k.startswith("allreduce/")), None))
                else "")
-            + (f", overlapped collectives in a step ({', '.join(OVERLAPPED[cal.kind])}) x {cal.comm_scale:.2f}, "
+            + (f", overlapped collectives in a step ({', '.join(OVERLAPPED[cal.kind])}) x {cal.comm_scale:.2f}"
+               f"{' (a CPU: as timed alone)' if cal.kind == 'cpu' and cal.comm_scale == 1.0 else ''}, "
                f"+ {cal.call_s * 1e3:.2f} ms a call from hooks "
                f"(FSDP2's, DDP's buckets) + {cal.send_s * 1e3:.2f} ms a send + {cal.sync_s * 1e3:.2f} ms any "
                f"other call" if cal.comm_scale != 1.0 or cal.call_s or cal.send_s or cal.sync_s else ""))
