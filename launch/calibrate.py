@@ -6,9 +6,9 @@ parallel/calibration.py).
 Starts N processes at once, as a run of N workers does (N: the GPUs under CUDA, else 1), measures matrix
 products by size, memory-bound ops, reference training steps, and every collective kind on every group size
 dividing N; then (N > 1) runs the framework itself on N workers (data zero 3, model, pipeline; on GPUs also
-data zero 0) to fit what collectives and sends cost inside a step (runs=false: not, ~25 s less here; they are
-then priced as measured alone); writes calibration.json. Use it with `plan.calibration=PATH` in launch/plan.py and with
-strategy=auto; made on one node of a cluster, it prices plans for that cluster.
+data zero 0) to fit what collectives and sends cost inside a step (runs=false: not, ~25 s less here; they
+are then priced as measured alone); writes calibration.json. Use it with `plan.calibration=PATH` in
+launch/plan.py and with strategy=auto; made on one node of a cluster, it prices plans for that cluster.
 """
 from __future__ import annotations
 
@@ -71,8 +71,10 @@ def parse(argv: list[str]) -> dict:
 # computation beside it: comm_scale 1). Data zero 0's is wide, its gradients' all-reduces large beside its
 # compute (57 MB of them at hidden 1536, 0.04-0.07 s alone here): what the overlap is fitted to; the others'
 # small calls fix the time per call.
-REFERENCE_RUNS = ((["strategy=data", "strategy.zero=0"], 1536, True), (["strategy=data", "strategy.zero=3"], 512, False),
-                  (["strategy=model"], 512, False), (["strategy=pipeline", "strategy.microbatches=8"], 512, False))
+REFERENCE_RUNS = ((["strategy=data", "strategy.zero=0"], 1536, True),
+                  (["strategy=data", "strategy.zero=3"], 512, False),
+                  (["strategy=model"], 512, False),
+                  (["strategy=pipeline", "strategy.microbatches=8"], 512, False))
 # 30 steps: the mean of each 6 after the sixth, and the median of those four means, which a stretch of a few
 # slow steps (another process on the cores) moves less than their mean (windows of one run here: 231-268 ms)
 REFERENCE_MODEL = ["model.args.depth=6", "trainer.steps=30", "trainer.log_every=6", "trainer.progress=false"]
@@ -108,8 +110,9 @@ def _train(cfg, overrides: list[str], nproc: int, run_dir: str) -> None:
 
 
 def _planned(overrides: list[str], nproc: int, cal):
-    """The reference run's config, its plans and their predicted step time, priced with `cal`, planned in this process (as
-    launch/plan.py would with plan.calibration; a plan a process makes costs a second of imports less here).
+    """The reference run's config, its plans and their predicted step time, priced with `cal`, planned in this
+    process (as launch/plan.py would with plan.calibration; a plan a process makes costs a second of imports
+    less here).
 
     Raises:
         ConfigError: a configuration this world size cannot take.

@@ -179,10 +179,21 @@ def _calibrate_script():
     return script
 
 
+def _validated(overrides: list[str], world: int):
+    from hydra import compose, initialize_config_dir
+
+    from parallel.validate import to_config, validate
+
+    with initialize_config_dir(config_dir=str(cli.ROOT / "conf"), version_base=None):
+        cfg = to_config(compose("config", overrides=overrides))
+    validate(cfg, world)
+    return cfg
+
+
 def test_calibrate_leaves_out_a_reference_run_the_world_size_cannot_take():
-    """launch/calibrate.py fits collectives in a step to the framework's own runs (data zero 0 and 3, model,
-    pipeline); one a world size cannot take (tensor parallelism of hidden 512 over 3 ranks) is a config error
-    before anything runs, and left out."""
+    """launch/calibrate.py fits collectives in a step to the framework's own runs (data zero 3, model, pipeline;
+    on GPUs data zero 0 too); one a world size cannot take (tensor parallelism of hidden 512 over 3 ranks) is a
+    config error before anything runs, and left out."""
     script = _calibrate_script()
     with pytest.raises(ConfigError, match="must divide by tp 3"):
         script._planned(["strategy=model", "model.args.hidden=512", *script.REFERENCE_MODEL, "trainer.batch_size=192"], 3, None)
@@ -192,16 +203,10 @@ def test_calibrate_leaves_out_a_reference_run_the_world_size_cannot_take():
 def test_calibrate_starts_a_reference_run_from_its_own_process(tmp_path, capfd):
     """launch/calibrate.py's reference runs: workers started from its own process (no second interpreter), their
     step times in the run's metrics.jsonl, their log lines not on calibrate's output."""
-    from hydra import compose, initialize_config_dir
-
-    from parallel.validate import to_config, validate
-
     script = _calibrate_script()
     overrides = ["strategy=data", "strategy.zero=3", "model.args.hidden=32", "trainer.steps=8",
                  "trainer.log_every=4", "trainer.progress=false", "trainer.device=cpu", "trainer.batch_size=8"]
-    with initialize_config_dir(config_dir=str(cli.ROOT / "conf"), version_base=None):
-        cfg = to_config(compose("config", overrides=overrides))
-    validate(cfg, 2)
+    cfg = _validated(overrides, 2)
     capfd.readouterr()
     script._train(cfg, overrides, 2, str(tmp_path / "run"))
     out = capfd.readouterr().out
@@ -216,19 +221,15 @@ def test_calibrate_starts_a_reference_run_from_its_own_process(tmp_path, capfd):
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="workers are spawned there: the patch is not theirs")
 def test_a_reference_run_that_fails_is_one_line_naming_it(tmp_path, monkeypatch):
-    from hydra import compose, initialize_config_dir
-
+    """A reference run whose workers fail: calibrate's one-line error names the run and the workers' error."""
     from parallel.config import RunError
-    from parallel.validate import to_config, validate
 
     def broken(*args, **kwargs):
         raise RuntimeError("the workers' training broke")
 
     script = _calibrate_script()
     overrides = ["strategy=data", "model.args.hidden=32", "trainer.steps=2", "trainer.device=cpu"]
-    with initialize_config_dir(config_dir=str(cli.ROOT / "conf"), version_base=None):
-        cfg = to_config(compose("config", overrides=overrides))
-    validate(cfg, 2)
+    cfg = _validated(overrides, 2)
     monkeypatch.setattr("parallel.launcher.run_training", broken)  # the forked workers' too
     with pytest.raises(RunError, match=r"^calibrate: the reference run `strategy=data model.args.hidden=32 "
                                        r"trainer.steps=2 trainer.device=cpu` failed: .*the workers' training broke"):

@@ -157,3 +157,55 @@ def test_state_per_weight_the_pipeline_balancer_counts(target, args, state):
     assert state_per_weight(cfg) == state
     block = BlockCost(name="b", params=10, param_bytes=40, act_bytes=8)
     assert stage_memory([block], in_flight=2, state=state) == (2 + state) * 40 + 2 * 8
+
+
+def _zero1_worker(rank: int, world: int, store_path: str, bucket: int) -> None:
+    """Two ranks step AdamW with ZeRO 1 over weights of mixed sizes and dtypes, in buckets of `bucket` bytes:
+    each ends with the weights of an unsharded AdamW stepping the same gradients."""
+    import torch.distributed as dist
+
+    import parallel.optim as optim_module
+    from parallel.optim import ShardedOptimizer, StateSharding
+
+    optim_module.BROADCAST_BUCKET = bucket
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    calls = []
+    broadcast = dist.broadcast
+    dist.broadcast = lambda t, *a, **k: (calls.append(t.nbytes), broadcast(t, *a, **k))[1]
+    try:
+        g = torch.Generator().manual_seed(0)
+        shapes = [(40, 30), (7,), (300,), (16, 16), (5, 5), (1000,)]
+        weights = [torch.randn(s, generator=g, dtype=torch.float64 if i == 3 else torch.float32) for i, s in
+                   enumerate(shapes)]
+        grads = [[torch.randn(w.shape, generator=g, dtype=w.dtype) for w in weights] for _ in range(3)]
+        mine = [nn.Parameter(w.clone()) for w in weights]
+        plain = [nn.Parameter(w.clone()) for w in weights]
+        sharded = ShardedOptimizer([{"params": mine}], torch.optim.AdamW, {"lr": 0.1}, StateSharding(dist.group.WORLD))
+        reference = torch.optim.AdamW(plain, lr=0.1)
+        for step in grads:
+            for p, q, grad in zip(mine, plain, step):
+                p.grad, q.grad = grad.clone(), grad.clone()
+            sharded.step()
+            reference.step()
+        for p, q in zip(mine, plain):
+            torch.testing.assert_close(p.data, q.data, rtol=0, atol=0)
+        held = sum(len(s) for s in sharded.optim.state.values())
+        assert 0 < held < 3 * len(weights)  # this rank's share of the state
+        assert sum(calls) == 3 * sum(w.nbytes for w in weights)  # every weight broadcast once a step
+        if bucket < 1 << 20:  # small buckets: more calls than owners x dtypes, none above the bucket but a lone weight
+            assert len(calls) > 3 * 4 and all(n <= bucket or n in {w.nbytes for w in weights} for n in calls)
+        else:
+            assert len(calls) == 3 * len({(o, w.dtype) for (w, _, o) in sharded.owned})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bucket", [25 << 20, 1024])
+def test_zero_1_broadcasts_in_buckets_and_ends_with_the_unsharded_weights(tmp_path, bucket):
+    """ZeRO 1's broadcast (Note [ZeRO 1]): a bucket per owner and dtype where they fit, several where they do
+    not (a weight larger than a bucket alone), and either way every rank's weights those of plain AdamW."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_zero1_worker, args=(2, str(tmp_path / "store"), bucket), nprocs=2, join=True,
+                       start_method="fork")
