@@ -76,9 +76,10 @@ they share are in every figure), and each measures:
                and a collective's copies and sums take core time from the
                computation beside it (an async all-reduce beside products
                here: 0.65-0.93x its time alone at 64 MiB, 1.04-1.51x at 16
-               MiB); fitted to the data zero 0 run it came to 0.00-1.44 in
-               fifteen calibrations, its all-reduces a fifth of that step
-               and within the noise of its predicted compute.
+               MiB); fitted to the data zero 0 run it came to 0.00-1.44
+               (0.20-1.19 in four calibrations within an hour), its
+               all-reduces a fifth of that step and within the noise of its
+               predicted compute.
 
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
