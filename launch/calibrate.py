@@ -97,16 +97,20 @@ def _quiet():
 
 def _train(cfg, overrides: list[str], nproc: int, run_dir: str) -> None:
     """A reference run on `nproc` workers started from this process (as launch/train.py starts them; here
-    without a second interpreter's imports, ~3 s a run)."""
+    without a second interpreter's imports, ~3 s a run); this process's environment as it was before."""
     from parallel.config import to_dict
     from parallel.launcher import launch
 
+    environ = dict(os.environ)
     try:
         with _quiet():
             launch(to_dict(cfg), run_dir, nproc)
     except Exception as e:  # noqa: BLE001 - named in one line, as a failed script's last line was
         raise RunError(f"calibrate: the reference run `{' '.join(overrides)}` failed: "
                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+    finally:  # the launch API sets variables for its workers (TORCHELASTIC_SIGNALS_TO_HANDLE): the next run's own
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def _planned(overrides: list[str], nproc: int, cal):

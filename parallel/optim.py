@@ -217,7 +217,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         filled: dict[tuple[int, torch.dtype], int] = {}  # bytes in each key's last bucket
         for p, g, owner in self.owned:
             if g is group:
-                t, key = _local(p), (owner, _local(p).dtype)
+                t = _local(p)
+                key = (owner, t.dtype)
                 chunks = buckets.setdefault(key, [[]])
                 if chunks[-1] and filled[key] + t.nbytes > BROADCAST_BUCKET:
                     chunks.append([])

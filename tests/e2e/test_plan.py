@@ -1,5 +1,6 @@
 """launch/plan.py: the memory each rank will need, predicted before running, against what the run measures."""
 import json
+import os
 import subprocess
 
 import matplotlib.image
@@ -208,8 +209,10 @@ def test_calibrate_starts_a_reference_run_from_its_own_process(tmp_path, capfd):
                  "trainer.log_every=4", "trainer.progress=false", "trainer.device=cpu", "trainer.batch_size=8"]
     cfg = _validated(overrides, 2)
     capfd.readouterr()
+    environ = dict(os.environ)
     script._train(cfg, overrides, 2, str(tmp_path / "run"))
     out = capfd.readouterr().out
+    assert dict(os.environ) == environ  # the launch API's variables gone (later runs here use the zygote)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "step_time_s" in r] == [4, 8]
     assert all(r["step_time_s"] > 0 for r in records if "step_time_s" in r)
@@ -234,6 +237,7 @@ def test_a_reference_run_that_fails_is_one_line_naming_it(tmp_path, monkeypatch)
     with pytest.raises(RunError, match=r"^calibrate: the reference run `strategy=data model.args.hidden=32 "
                                        r"trainer.steps=2 trainer.device=cpu` failed: .*the workers' training broke"):
         script._train(cfg, overrides, 2, str(tmp_path / "run"))
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
 
 
 @pytest.mark.timeout(120)
