@@ -167,8 +167,7 @@ class StateSharding:
 # are picked greedily, largest parameter first, to balance the state's bytes; the order is the same on every
 # rank. Buckets, not one buffer per owner: each buffer is new memory each step, and the 125M Llama's two
 # 250 MB halves (gloo, two processes here, as torch.randn pieces of 5 MB) took 0.61-1.08 s a step as one
-# buffer each and 0.24-0.50 s in 25 MB buckets, which the allocator hands out again from step to step; one
-# bucket is all a step holds of them at a time.
+# buffer each and 0.24-0.50 s in 25 MB buckets; one bucket is all a step holds of them at a time.
 # Not torch's ZeroRedundancyOptimizer: it broadcasts `param.data`, which is no plain tensor for the DTensor
 # parameters of tensor parallelism and FSDP2's replicate; here the broadcast is of the local tensors (ranks of
 # one group hold the same local shapes), so ZeRO 1 works wherever strategy.zero is accepted. Checkpoints,
