@@ -6,7 +6,7 @@ parallel/calibration.py).
 Starts N processes at once, as a run of N workers does (N: the GPUs under CUDA, else 1), measures matrix
 products by size, memory-bound ops, reference training steps, and every collective kind on every group size
 dividing N; then (N > 1) runs the framework itself on N workers (data zero 3, model, pipeline; on GPUs also
-data zero 0) to fit what collectives and sends cost inside a step (runs=false: not, ~25 s less here; they
+data zero 0) to fit what collectives and sends cost inside a step (runs=false: not, ~20 s less here; they
 are then priced as measured alone); writes calibration.json. Use it with `plan.calibration=PATH` in
 launch/plan.py and with strategy=auto; made on one node of a cluster, it prices plans for that cluster.
 """
