@@ -34,14 +34,15 @@ they share are in every figure), and each measures:
                (0.94-1.00x in one), the three small ones 1.3-2.0x (their
                Python)
     dtensor    what DTensor's own dispatch adds to an op (sharding
-               propagation, unwrapping, wrapping): a few small ops on
-               sharded DTensors less the same ops on their local tensors
-               (dtensor_op_s)
+               propagation, unwrapping, wrapping): a few small ops and
+               AdamW's step on sharded DTensors less the same on their
+               local tensors, per op (dtensor_op_s)
     comm       for each collective kind (all-reduce, all-gather,
                reduce-scatter, all-to-all, broadcast, send) and each group
                size dividing W: the time of one call at 4 KiB ... 64 MiB
                (each the median of its repeats, the mean over the ranks; a
-               send's, its receivers'), priced between sizes by the line
+               send's, its receivers'; no longer than a larger size's),
+               priced between sizes by the line
                through the two around (`call_seconds`); gloo on a CPU, NCCL
                on GPUs. A call's output is new each call where the
                framework's is (FSDP2's gathers and reduce-scatters, ZeRO-1's
@@ -53,8 +54,8 @@ they share are in every figure), and each measures:
                computation holds, and the peers arrive a little apart
 
     in a step  runs of the framework itself on W workers (the built-in
-               MLP, depth 6, 64 samples a worker, 30 steps, its step the
-               median of the means of steps 7-12, ..., 25-30; zero 3,
+               MLP, depth 6, 64 samples a worker, 54 steps, its step the
+               median of the means of steps 7-12, ..., 49-54; zero 3,
                model, pipeline of 8 microbatches at hidden 512, whose calls
                are small; on GPUs also data zero 0 at hidden 1536, whose
                gradients' all-reduces are large beside its compute; those
@@ -112,7 +113,7 @@ import torch
 
 from parallel.flops import Flops  # the per-op count the planner makes
 from parallel.hardware import worker_threads
-from parallel.plan_work import BUCKET, MEMORY_SIZES, SIZES
+from parallel.plan_work import BUCKET, MEMORY_SIZES, SIZES, Work
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
 COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -321,11 +322,14 @@ def measure_ops(device: torch.device, seconds: float = 0.1, least: int = 3, roun
 
 
 def measure_dtensor_op(device: torch.device, seconds: float = 0.05) -> float:
-    """Seconds DTensor's own dispatch (sharding propagation, unwrapping and wrapping) adds to an op: a few
-    ops a tensor-parallel step makes (an elementwise product, an addition, a matrix product, a sum) on
-    sharded DTensors of 16 x 16, less the same ops on their local tensors. Over a mesh of every rank of the
-    process group when one is initialized (every rank must call it), else of this process alone (a fake
-    group, taken down after)."""
+    """Seconds DTensor's own dispatch (sharding propagation, unwrapping and wrapping) adds to an op, per op: a
+    few ops a tensor-parallel step makes (an elementwise product, an addition, a matrix product, a sum) on
+    sharded DTensors of 16 x 16, and AdamW's step over such a weight (the CPU's one-weight-at-a-time form,
+    FSDP2's and tensor parallelism's optimizer; in-place ops with scalars, about 10 a weight), less the
+    same on their local tensors. The optimizer's ops cost more than the others (13.3 us an op here, 7.6 us
+    for the four alone): FSDP2's steps make mostly those. Over a mesh of every rank of the process group
+    when one is initialized (every rank must call it), else of this process alone (a fake group, taken down
+    after)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -342,13 +346,22 @@ def measure_dtensor_op(device: torch.device, seconds: float = 0.05) -> float:
         y = distribute_tensor(torch.ones(16 * world, 16, device=device), mesh, [Shard(0)])
         w = distribute_tensor(torch.ones(16, 16, device=device), mesh, [Replicate()])
 
-        def ops(a, b, m) -> None:
+        def ops(a, b, m, opt) -> None:
             (a * b + a).mm(m).sum(dim=1)
+            opt.step()
+
+        def optimizer(weight):
+            weight = torch.nn.Parameter(weight.clone())
+            weight.grad = torch.ones_like(weight)
+            return torch.optim.AdamW([weight], lr=1e-3, foreach=False)
 
         lx, ly, lw = x.to_local(), y.to_local(), w.to_local()
-        best = _fastest_alternating({"distributed": lambda: ops(x, y, w), "local": lambda: ops(lx, ly, lw)}, device,
-                                    seconds / 5)
-        return max(best["distributed"] - best["local"], 0.0) / 4
+        opt, local_opt = optimizer(x), optimizer(lx)
+        with Work() as counted:  # the ops on DTensors, as the planner counts them
+            ops(x, y, w, opt)
+        best = _fastest_alternating({"distributed": lambda: ops(x, y, w, opt),
+                                     "local": lambda: ops(lx, ly, lw, local_opt)}, device, seconds / 5)
+        return max(best["distributed"] - best["local"], 0.0) / max(1, counted.dtensor_ops)
     finally:
         if own:
             dist.destroy_process_group()

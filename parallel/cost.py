@@ -9,12 +9,15 @@ For each rank role the planner gives the work of one step; its time is
                its arguments' shapes, strides and dtypes; a DTensor op as
                the rank runs it, on its local shards) run here on real
                tensors and timed (parallel.replay), x how often the step
-               makes it. On a CPU each call is timed over operand sets that
-               span the bytes a step passes over once (weights, gradients,
-               optimizer state) times the machine's workers, rounded up to
-               a power of two (parallel.replay.Replay.copies), up to twice
-               the last-level cache: a step that passes the cache finds its
-               operands evicted, as a call repeated on one set does not.
+               makes it; on a CPU under the allocator settings a worker
+               steps with (Note [host allocations]), its new outputs on
+               memory in use as a worker's are (`_replay`). On a CPU each
+               call is timed over operand sets that span the bytes a step
+               passes over once (weights, gradients, optimizer state) times
+               the machine's workers, rounded up to a power of two
+               (parallel.replay.Replay.copies), up to twice the last-level
+               cache: a step that passes the cache finds its operands
+               evicted, as a call repeated on one set does not.
                Activations are left out of the span: each is read soon after
                it is made (the calibration's reference steps are replayed so
                too; the gpt of benchmarks/auto.py, a worker's step and its
@@ -98,6 +101,7 @@ import torch
 from parallel.calibration import OVERLAPPED, Calibration, call_seconds, cores, quick
 from parallel.config import Config, ConfigError, cuda_run, pipelined, strategy_spec
 from parallel.hardware import worker_threads
+from parallel.memory.host import steady_host_allocations
 from parallel.replay import PROBE, Replay, probe_seconds
 from parallel.strategies.pipeline.schedules import analytic_bubble
 
@@ -141,7 +145,8 @@ def load(path: str, world: int, cuda: bool) -> Calibration:
 @functools.lru_cache(maxsize=None)
 def _measured(world: int, device_type: str) -> Calibration:
     """This process measured once (parallel.calibration.quick): auto's candidates and the plan it picks are
-    priced with the same rates."""
+    priced with the same rates. Under the workers' host allocator (`_replay`)."""
+    steady_host_allocations()
     return quick(world, torch.device(device_type))
 
 
@@ -165,7 +170,17 @@ def calibration_for(cfg: Config, world: int) -> Calibration:
 @functools.lru_cache(maxsize=None)
 def _replay(device_type: str, threads: int | None, probe_s: float | None) -> Replay:
     """One Replay a process for each device, thread count and calibrated speed: a call shape is timed once,
-    whichever plan has it."""
+    whichever plan has it.
+
+    This process's allocator is set as each worker sets its own before it steps (Note [host allocations]):
+    otherwise a call's new output may be mapped and faulted in afresh on every call, or not, by what this
+    process freed before. The same plan's calls (an MLP's data-parallel step) were priced 9.6-24.1 ms of
+    memory-bound ops in processes one after another here, an out-of-place op on 1 MB paying 256 page faults
+    a call in some of them (a sqrt 680-910 us, against 140-180 us and none), where the workers' steps fault
+    about 4 times a step.
+    Only planning processes replay (launch/plan.py and calibrate.py, train.py's strategy=auto before it
+    starts the workers, which set the same)."""
+    steady_host_allocations()
     return Replay(torch.device(device_type), threads, probe_s)
 
 

@@ -81,6 +81,37 @@ def probe_seconds(rate: float) -> float:
     return 2 * PROBE ** 3 / rate
 
 
+# Bytes of the heap's top written before a call shape is timed on a CPU where its warm-up faulted pages in
+# (Replay._time): below the workers' mmap threshold (32 MiB, Note [host allocations]), so that they come from
+# the heap and stay there when freed
+HEAP_TOUCHED = 30 << 20
+
+
+def _touch_heap() -> None:
+    """The next HEAP_TOUCHED bytes of the heap's top in memory, as a long-lived worker's heap is.
+
+    A call's output is carved from the heap, often from its top. Where the top was just given back to the
+    system (an earlier call shape's operand sets freed past the trim threshold) or never used, a call there
+    faults its output's pages in. Seen here: each call's new output of 1 MB placed 1 MB above the last one's,
+    though that one was freed, 256 page faults a call, a sqrt 680-910 us where the same call took 140-180 us
+    on memory in use. A worker's heap has been through the same step many times, and its steps fault about 4
+    times a step (Note [host allocations]). Touched before every call shape, launch/plan.py's strategy=auto
+    took 8-13% longer here; touched only where the warm-up faulted (Replay._time), no longer measurably; a
+    touch sized by the call's outputs left one plan's price 1.24x apart between processes."""
+    scratch = torch.empty(HEAP_TOUCHED, dtype=torch.uint8)
+    scratch.fill_(1)
+    del scratch
+
+
+def _faults() -> int:
+    """This process's minor page faults so far (0 where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _once(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -140,16 +171,26 @@ class Replay:
 
     def _time(self, key: tuple, copies: int = 1) -> float | None:
         """Seconds of one call: the median of three batches, each of at least `BATCH_S` of calls (one call
-        where a call is longer), after a warm-up call. A call shape stands for every time the step makes it
+        where a call is longer), after a warm-up. A call shape stands for every time the step makes it
         (96 times a step for a small pipeline's products), so one sample's error, a moment when another
         process takes the core, would be multiplied by that. Over `copies` operand sets: warmed on the set
-        made last (in the cache), then each call on the next set from the first made (evicted by the rest,
-        when they pass the cache)."""
+        made last; on a CPU then on every set in turn (in the cache after it, when they fit there), and where
+        that faulted pages in, again after the heap's top is touched (`_touch_heap`); then each call on the
+        next set from the first made (evicted by the rest, when they pass the cache)."""
         func, args, kwargs = key
         try:
             sets = [(_real(args, self.device), _real(kwargs, self.device)) for _ in range(copies)]
-            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+            cpu = self.device.type == "cpu"
+            sync = torch.cuda.synchronize if not cpu else (lambda: None)
             func(*sets[-1][0], **sets[-1][1])  # warm: the kernel's first call allocates and picks its path
+            if cpu:
+                before = _faults()
+                for a, k in sets:  # warmed in turn: in the cache after it, when they fit there
+                    func(*a, **k)
+                if _faults() > before:  # its outputs on pages not in use: the heap's top touched, warmed again
+                    _touch_heap()
+                    for a, k in sets:
+                        func(*a, **k)
             sync()
             t0 = time.perf_counter()
             func(*sets[0][0], **sets[0][1])

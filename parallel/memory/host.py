@@ -14,7 +14,9 @@ framework's two ranks against the hand-written loop's 104, and 2-5% more time (b
 31); how many a plain loop takes depends on what it happened to free (904 in another run). So each worker sets
 both thresholds where a process that freed a large block has them, at glibc's upper bound (32 MiB, and twice
 that), and steps the same whatever happened before it: 25 faults per step there. Offload sets its own later
-(parallel/offload/engine.py: memory it moved out must leave the process).
+(parallel/offload/engine.py: memory it moved out must leave the process). A process that times a plan's op
+calls (parallel.cost's replay, and launch/calibrate.py's measuring processes) sets the same first, so that
+it times them as a worker makes them (parallel/replay.py: `_touch_heap`).
 """
 from __future__ import annotations
 
