@@ -181,7 +181,7 @@ class Replay:
         try:
             sets = [(_real(args, self.device), _real(kwargs, self.device)) for _ in range(copies)]
             cpu = self.device.type == "cpu"
-            sync = torch.cuda.synchronize if not cpu else (lambda: None)
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
             func(*sets[-1][0], **sets[-1][1])  # warm: the kernel's first call allocates and picks its path
             if cpu:
                 before = _faults()
