@@ -100,9 +100,9 @@ print(checked, flush=True)
 @pytest.mark.parametrize("check_s,expected", [
     (0.0, [(s, 15 if s >= 7 else 0) for s in range(1, 13)]),
     # Steps of 10 ms against 0.05 s: the first two boundaries, then every 5th (the check's own time makes the
-    # measured step a little longer, so 4 apart is also right, and 3 where a busy machine stretches the steps
-    # past 12.5 ms: int(0.05 / step), steps [1, 2, 5, 9] in one suite run); the signal in step 7 is seen at the
-    # next check.
+    # measured step a little longer, so 4 apart is also right, and 3 or 2 where a busy machine stretches the
+    # steps past 12.5 or 16.7 ms: int(0.05 / step), steps [1, 2, 5, 9] in one suite run, [1, 2, 6, 10, 12] in
+    # one with three test processes on two cores); the signal in step 7 is seen at the next check.
     (0.05, None),
 ], ids=["every boundary", "every few"])
 def test_the_ranks_agree_at_every_boundary_or_every_few(tmp_path, check_s, expected):
@@ -113,6 +113,6 @@ def test_the_ranks_agree_at_every_boundary_or_every_few(tmp_path, check_s, expec
         assert checked == expected
         return
     steps = [s for s, _ in checked]
-    assert steps[:2] == [1, 2] and all(b - a in (3, 4, 5) for a, b in zip(steps[1:], steps[2:])), steps
+    assert steps[:2] == [1, 2] and all(b - a in (2, 3, 4, 5) for a, b in zip(steps[1:], steps[2:])), steps
     seen = [s for s, signum in checked if signum]
     assert seen and seen[0] == min(s for s in steps if s >= 7) and 0 <= seen[0] - 7 <= 5, checked
