@@ -9,7 +9,8 @@ A B C ... A B C), each run's step time the mean of its unwatched steps after ste
 step_time_s of the records at steps 12, 18, 24), a candidate's the median over rounds. Prints predicted,
 measured and the error per candidate, its rounds' spread ((slowest - fastest) / median: how far this machine
 moves the same run from round to round, which bounds what any prediction can meet), and how much slower auto's
-pick is than the measured fastest; writes benchmarks/results/auto.json. Targets: every |error| <= 15%; the pick within 5% of the measured best.
+pick is than the measured fastest; writes benchmarks/results/auto.json. Targets: every |error| <= 15%; the pick
+within 5% of the measured best.
 
 Models (2 ranks, as in the issue that asked for it):
     mlp    model.args.hidden=512 model.args.depth=6 trainer.batch_size=128
