@@ -93,7 +93,8 @@ def bench(name: str, model: list[str], a: argparse.Namespace, tmp: Path) -> dict
                      "spread_pct": 100 * (max(measured[c["name"]]) - min(measured[c["name"]])) / m})
     best = min(rows, key=lambda r: r["measured_s"])
     pick = rows[0]  # plan.json lists the chosen candidate first
-    return {"model": model, "calibration": json.loads(Path(cal).read_text()), "rows": rows, "pick": pick["candidate"], "best": best["candidate"],
+    return {"model": model, "calibration": json.loads(Path(cal).read_text()), "rows": rows, "pick": pick["candidate"],
+            "best": best["candidate"],
             "pick_over_best": pick["measured_s"] / best["measured_s"],
             "max_abs_error_pct": max(abs(r["error_pct"]) for r in rows)}
 
