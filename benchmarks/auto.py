@@ -86,11 +86,12 @@ def bench(name: str, model: list[str], a: argparse.Namespace, tmp: Path) -> dict
             print(f"  round {r + 1} {c['name']}: {measured[c['name']][-1] * 1e3:.1f} ms", flush=True)
     rows = []
     for c in fits:
-        m = statistics.median(measured[c["name"]])
+        runs = measured[c["name"]]
+        m = statistics.median(runs)
         p = c["times"]["step"]
         rows.append({"candidate": c["name"], "overrides": c["overrides"], "predicted_s": p, "measured_s": m,
-                     "error_pct": 100 * (p - m) / m, "terms_s": c["times"], "runs_s": measured[c["name"]],
-                     "spread_pct": 100 * (max(measured[c["name"]]) - min(measured[c["name"]])) / m})
+                     "error_pct": 100 * (p - m) / m, "terms_s": c["times"], "runs_s": runs,
+                     "spread_pct": 100 * (max(runs) - min(runs)) / m})
     best = min(rows, key=lambda r: r["measured_s"])
     pick = rows[0]  # plan.json lists the chosen candidate first
     return {"model": model, "calibration": json.loads(Path(cal).read_text()), "rows": rows, "pick": pick["candidate"],
