@@ -128,3 +128,38 @@ def test_split_where_integers_cross_is_refused_and_the_balancer_avoids_it():
     cfg.strategy.split_points = []
     split = plan_split(build_meta_model(cfg.model), cfg, 1, Runtime(time_blocks=False))
     assert split.starts[1] != "pos"
+
+
+def test_a_splits_boundaries_are_traced_once_for_each_model_and_microbatch_shape(monkeypatch):
+    """Note [a split's boundaries, once]: the config check's trace serves the workers forked after it; a model
+    that differs in its shapes, a plain attribute or its class's forward, or another microbatch shape, traces
+    anew."""
+    from parallel.strategies.pipeline import split as split_module
+
+    traced = []
+    real = split_module.trace
+    monkeypatch.setattr(split_module, "trace", lambda *a: traced.append(1) or real(*a))
+    monkeypatch.setattr(split_module, "_KNOWN_BOUNDARIES", {})
+    cfg = _pipeline_cfg(schedule="1F1B")
+    cfg.data.task, cfg.model.name = "lm", "gpt"
+    cfg.model.args = {"vocab_size": 64, "seq_len": 32, "layers": 2, "dim": 32, "heads": 4}
+    validate(cfg, 2)  # the config check, as the launcher makes it before forking the workers
+    assert len(traced) == 1
+
+    def boundaries(model, dp: int = 1):
+        example = split_module.example_microbatch(cfg, dp)
+        names, _ = candidates(model, *split_module.by_name(example))
+        return split_module._boundaries(model, example, names)
+
+    first = boundaries(build_meta_model(cfg.model))  # a worker's: the same model, built again
+    assert first[1] and len(traced) == 1
+    boundaries(build_meta_model(cfg.model), dp=2)  # microbatches half as large
+    cfg.model.args["dim"] = 64
+    wider = build_meta_model(cfg.model)
+    boundaries(wider)
+    wider.blocks[0].attn.heads = 8  # a plain attribute the forward reads
+    boundaries(wider)
+    assert len(traced) == 4
+    monkeypatch.setattr(type(wider.blocks[0]), "forward", lambda self, x: x)
+    boundaries(wider)
+    assert len(traced) == 5

@@ -145,6 +145,13 @@ def _given_starts(s, names: list[str], n_stages: int, allowed: set[int]) -> list
     return [0] + idx
 
 
+# _boundaries' answers in this process, by what they depend on (`_fingerprint`): the config check traces them
+# in the launcher, and the workers it forks then (Note [a split's boundaries, once]); the planner, for each role
+# and each of auto's candidates that cut the same model into microbatches of one shape. Oldest out first.
+_KNOWN_BOUNDARIES: dict[tuple, tuple[set[int], bool]] = {}
+_KNOWN_LIMIT = 32
+
+
 def _boundaries(model: nn.Module, example: tuple, names: list[str]) -> tuple[set[int], bool]:
     """Block indices where a stage may begin (only floating-point and boolean tensors cross there), and
     whether the trace cut before every block (each is a call site of its own: any cuts give their stages).
@@ -155,13 +162,48 @@ def _boundaries(model: nn.Module, example: tuple, names: list[str]) -> tuple[set
     them. Arbitrary booleans (an attention mask a Hugging Face model built in its
     first stage) only shape that trial run. Found by tracing a split before every
     block once and reading what flows into each piece (Note [stage chain] in chain.py).
+
+    # Note [a split's boundaries, once]
+    That trace is most of what planning a split costs (0.15-0.6 s for the
+    built-in MLP here, more for a Hugging Face model), and a run made it twice:
+    in the config check, then on rank 0 of the workers forked after it, the
+    other ranks waiting on rank 0's choice. The answer is kept in this process
+    by everything it can depend on: the model's class and forward, every
+    module's class, forward, forward hooks and plain attributes (a Hugging
+    Face config among them), every parameter's and buffer's name, shape and dtype, the
+    microbatch's shapes and dtypes, and the block names. A model that differs
+    in any of those traces again; an attribute whose text is its address
+    (an arbitrary object) never matches, so such a model traces every time.
     """
+    key = _fingerprint(model, example, names)
+    if key not in _KNOWN_BOUNDARIES:
+        if len(_KNOWN_BOUNDARIES) >= _KNOWN_LIMIT:
+            del _KNOWN_BOUNDARIES[next(iter(_KNOWN_BOUNDARIES))]
+        _KNOWN_BOUNDARIES[key] = _traced_boundaries(model, example, names)
+    allowed, exact = _KNOWN_BOUNDARIES[key]
+    return set(allowed), exact
+
+
+def _traced_boundaries(model: nn.Module, example: tuple, names: list[str]) -> tuple[set[int], bool]:
     pipe = trace(model, example, names)
     if pipe.num_stages != len(names):
         return set(range(1, len(names))), False  # some block is not a call site of its own; let the trace decide
     shapes = stage_shapes(_chained(pipe), example)
     return {j for j in range(1, len(names))
             if all(t.dtype.is_floating_point or t.dtype == torch.bool for t in shapes[j][0])}, True
+
+
+def _fingerprint(model: nn.Module, example: tuple, names: list[str]) -> tuple:
+    """What a traced split of `model` on `example` can depend on (Note [a split's boundaries, once])."""
+    modules = tuple((name, type(m), type(m).forward, *map(tuple, (m._forward_pre_hooks.values(),
+                                                                   m._forward_hooks.values())),
+                     tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                                  if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor)))))
+                    for name, m in model.named_modules(remove_duplicate=False))
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in
+                    [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    inputs = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example)
+    return modules, tensors, inputs, tuple(names)
 
 
 def _chained(pipe) -> list:
