@@ -165,15 +165,16 @@ def _boundaries(model: nn.Module, example: tuple, names: list[str]) -> tuple[set
 
     # Note [a split's boundaries, once]
     That trace is most of what planning a split costs (0.15-0.6 s for the
-    built-in MLP here, more for a Hugging Face model), and a run made it twice:
-    in the config check, then on rank 0 of the workers forked after it, the
-    other ranks waiting on rank 0's choice. The answer is kept in this process
-    by everything it can depend on: the model's class and forward, every
-    module's class, forward, forward hooks and plain attributes (a Hugging
-    Face config among them), every parameter's and buffer's name, shape and dtype, the
-    microbatch's shapes and dtypes, and the block names. A model that differs
-    in any of those traces again; an attribute whose text is its address
-    (an arbitrary object) never matches, so such a model traces every time.
+    built-in MLP or a small gpt here, more for a Hugging Face model), and a run
+    made it twice: in the config check, then on rank 0 of the workers forked
+    after it, the other ranks waiting on rank 0's choice (the planner, once
+    more for each role). The answer is kept in this process by everything it
+    can depend on: every module's name, class, forward, forward hooks and plain
+    attributes (a Hugging Face config among them), every parameter's and
+    buffer's name, shape and dtype, the microbatch's shapes and dtypes, and the
+    block names. A model that differs in any of those traces again, and so
+    does one built anew that holds an attribute whose text is its address (a
+    bound method, an arbitrary object).
     """
     key = _fingerprint(model, example, names)
     if key not in _KNOWN_BOUNDARIES:
