@@ -10,7 +10,7 @@ GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "
 # compiled runs (~20 s each here) are left out of the suite for its time.
 CASES = {
     # Two microbatches of 16 accumulated: the shape a block of data_zero3 sees on each of its 2 ranks, and of
-    # pipeline's microbatches, so that one cold compile (of whichever case comes first) serves them all.
+    # pipeline's microbatches, so that a case run after another finds that block compiled in the session's cache.
     "single": (1, ["strategy=single", "trainer.grad_accum=2"]),
     "single_recomputed": (1, ["strategy=single", "strategy.activations=checkpoint", "trainer.grad_accum=2"]),
     "data_zero3": (2, ["strategy=data", "strategy.zero=3"]),
