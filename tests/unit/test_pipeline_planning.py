@@ -163,3 +163,23 @@ def test_a_splits_boundaries_are_traced_once_for_each_model_and_microbatch_shape
     monkeypatch.setattr(type(wider.blocks[0]), "forward", lambda self, x: x)
     boundaries(wider)
     assert len(traced) == 5
+
+
+def test_an_attribute_whose_text_fails_leaves_the_split_to_be_traced(monkeypatch):
+    from parallel.strategies.pipeline import split as split_module
+
+    class Unprintable:
+        def __repr__(self):
+            raise RuntimeError("no text")
+
+    cfg = _pipeline_cfg()
+    validate(cfg, 2)
+    traced = []
+    real = split_module.trace
+    monkeypatch.setattr(split_module, "trace", lambda *a: traced.append(1) or real(*a))
+    model = build_meta_model(cfg.model)
+    model.note = Unprintable()
+    example = split_module.example_microbatch(cfg, 1)
+    names, _ = candidates(model, *split_module.by_name(example))
+    assert split_module._boundaries(model, example, names) == split_module._boundaries(model, example, names)
+    assert len(traced) == 2

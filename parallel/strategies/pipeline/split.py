@@ -174,7 +174,8 @@ def _boundaries(model: nn.Module, example: tuple, names: list[str]) -> tuple[set
     buffer's name, shape and dtype, the microbatch's shapes and dtypes, and the
     block names. A model that differs in any of those traces again, and so
     does one built anew that holds an attribute whose text is its address (a
-    bound method, an arbitrary object).
+    bound method, an arbitrary object), and one whose attribute has no text
+    (its repr raises).
     """
     key = _fingerprint(model, example, names)
     if key not in _KNOWN_BOUNDARIES:
@@ -198,13 +199,22 @@ def _fingerprint(model: nn.Module, example: tuple, names: list[str]) -> tuple:
     """What a traced split of `model` on `example` can depend on (Note [a split's boundaries, once])."""
     modules = tuple((name, type(m), type(m).forward, *map(tuple, (m._forward_pre_hooks.values(),
                                                                    m._forward_hooks.values())),
-                     tuple(sorted((k, repr(v)) for k, v in vars(m).items()
-                                  if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor)))))
+                     tuple(sorted(((k, _text(v)) for k, v in vars(m).items()
+                                   if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor))),
+                                  key=lambda kv: kv[0])))
                     for name, m in model.named_modules(remove_duplicate=False))
     tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in
                     [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
     inputs = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in example)
     return modules, tensors, inputs, tuple(names)
+
+
+def _text(value) -> str | object:
+    """An attribute's text for `_fingerprint`; one whose repr fails matches nothing (a new object)."""
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - any attribute a user's model holds
+        return object()
 
 
 def _chained(pipe) -> list:
