@@ -166,12 +166,14 @@ def test_a_splits_boundaries_are_traced_once_for_each_model_and_microbatch_shape
 
 
 def test_an_attribute_whose_text_fails_leaves_the_split_to_be_traced(monkeypatch):
+    """A model holding an attribute whose repr raises is traced each time (Note [a split's boundaries, once])."""
     from parallel.strategies.pipeline import split as split_module
 
     class Unprintable:
         def __repr__(self):
             raise RuntimeError("no text")
 
+    monkeypatch.setattr(split_module, "_KNOWN_BOUNDARIES", {})
     cfg = _pipeline_cfg()
     validate(cfg, 2)
     traced = []
