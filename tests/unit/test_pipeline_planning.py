@@ -130,58 +130,60 @@ def test_split_where_integers_cross_is_refused_and_the_balancer_avoids_it():
     assert split.starts[1] != "pos"
 
 
-def test_a_splits_boundaries_are_traced_once_for_each_model_and_microbatch_shape(monkeypatch):
-    """Note [a split's boundaries, once]: the config check's trace serves the workers forked after it; a model
-    that differs in its shapes, a plain attribute or its class's forward, or another microbatch shape, traces
-    anew."""
+@pytest.fixture
+def traces(monkeypatch):
+    """Every trace of a split from here on, with no boundaries known yet (Note [a split's boundaries, once])."""
     from parallel.strategies.pipeline import split as split_module
 
     traced = []
     real = split_module.trace
     monkeypatch.setattr(split_module, "trace", lambda *a: traced.append(1) or real(*a))
     monkeypatch.setattr(split_module, "_KNOWN_BOUNDARIES", {})
+    return traced
+
+
+def _boundaries_of(model, cfg: Config, dp: int = 1):
+    from parallel.strategies.pipeline import split as split_module
+
+    example = split_module.example_microbatch(cfg, dp)
+    names, _ = candidates(model, *split_module.by_name(example))
+    return split_module._boundaries(model, example, names)
+
+
+def test_a_splits_boundaries_are_traced_once_for_each_model_and_microbatch_shape(traces, monkeypatch):
+    """Note [a split's boundaries, once]: the config check's trace serves the workers forked after it; a model
+    that differs in its shapes, a plain attribute or its class's forward, or another microbatch shape, traces
+    anew."""
     cfg = _pipeline_cfg(schedule="1F1B")
     cfg.data.task, cfg.model.name = "lm", "gpt"
     cfg.model.args = {"vocab_size": 64, "seq_len": 32, "layers": 2, "dim": 32, "heads": 4}
     validate(cfg, 2)  # the config check, as the launcher makes it before forking the workers
-    assert len(traced) == 1
-
-    def boundaries(model, dp: int = 1):
-        example = split_module.example_microbatch(cfg, dp)
-        names, _ = candidates(model, *split_module.by_name(example))
-        return split_module._boundaries(model, example, names)
-
-    first = boundaries(build_meta_model(cfg.model))  # a worker's: the same model, built again
-    assert first[1] and len(traced) == 1
-    boundaries(build_meta_model(cfg.model), dp=2)  # microbatches half as large
+    assert len(traces) == 1
+    first = _boundaries_of(build_meta_model(cfg.model), cfg)  # a worker's: the same model, built again
+    assert first[1] and len(traces) == 1
+    _boundaries_of(build_meta_model(cfg.model), cfg, dp=2)  # microbatches half as large
     cfg.model.args["dim"] = 64
     wider = build_meta_model(cfg.model)
-    boundaries(wider)
+    _boundaries_of(wider, cfg)
     wider.blocks[0].attn.heads = 8  # a plain attribute the forward reads
-    boundaries(wider)
-    assert len(traced) == 4
+    _boundaries_of(wider, cfg)
+    assert len(traces) == 4
     monkeypatch.setattr(type(wider.blocks[0]), "forward", lambda self, x: x)
-    boundaries(wider)
-    assert len(traced) == 5
+    _boundaries_of(wider, cfg)
+    assert len(traces) == 5
 
 
-def test_an_attribute_whose_text_fails_leaves_the_split_to_be_traced(monkeypatch):
+def test_an_attribute_whose_text_fails_leaves_the_split_to_be_traced(traces):
     """A model holding an attribute whose repr raises is traced each time (Note [a split's boundaries, once])."""
-    from parallel.strategies.pipeline import split as split_module
 
     class Unprintable:
         def __repr__(self):
             raise RuntimeError("no text")
 
-    monkeypatch.setattr(split_module, "_KNOWN_BOUNDARIES", {})
     cfg = _pipeline_cfg()
     validate(cfg, 2)
-    traced = []
-    real = split_module.trace
-    monkeypatch.setattr(split_module, "trace", lambda *a: traced.append(1) or real(*a))
+    traces.clear()
     model = build_meta_model(cfg.model)
     model.note = Unprintable()
-    example = split_module.example_microbatch(cfg, 1)
-    names, _ = candidates(model, *split_module.by_name(example))
-    assert split_module._boundaries(model, example, names) == split_module._boundaries(model, example, names)
-    assert len(traced) == 2
+    assert _boundaries_of(model, cfg) == _boundaries_of(model, cfg)
+    assert len(traces) == 2
