@@ -27,9 +27,10 @@ CASES = {
     "model_gpt": (2, GPT + ["strategy=model"]),
     "pipeline_1f1b": (2, ["trainer.batch_size=256", "strategy=pipeline", "strategy.balance=params"]),
     # An interleaved schedule holds its sends until the step ends; tensor-parallel stages send their
-    # local pieces; two roles planned one after the other.
+    # local pieces; two roles planned one after the other. Four microbatches, not the default eight: the run
+    # and its plan took 23.5 s with eight here, 17.7 s with four.
     "hybrid_pp_tp_interleaved": (4, GPT + ["strategy=hybrid", "strategy.pp=2", "strategy.tp=2",
-                                           "strategy.schedule=Interleaved1F1B"]),
+                                           "strategy.schedule=Interleaved1F1B", "strategy.microbatches=4"]),
     # Tensor-parallel all-reduces wrapped as async tensors; FSDP; blocks recomputed in backward.
     "hybrid_dp_tp_zero3_recompute": (4, BIG + ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.zero=3",
                                                "strategy.activations=checkpoint"]),
