@@ -145,9 +145,9 @@ def main() -> None:
         for name in a.models.split(","):
             model = llama() if name == "llama" else MODELS[name]
             result["models"][name] = bench(name, model, a, Path(tmp))
+    each = a.calibrate_each_round and a.rounds > 1  # a first-calibration column only where there were others
     for name, res in result["models"].items():
         print(f"\n{name} ({a.nproc} ranks; predicted vs measured, ms)")
-        each = a.calibrate_each_round and a.rounds > 1
         print(f"  {'candidate':<36}{'predicted':>10}{'measured':>10}{'error':>9}{'rounds spread':>15}"
               + (f"{'first calibration':>19}" if each else ""))
         for r in res["rows"]:
