@@ -229,7 +229,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool
     collectives; each writes its figures to `out_dir`/rank<R>.json."""
     import torch.distributed as dist
 
-    steady_host_allocations()  # as a run's workers step (Note [host allocations]), before anything is allocated
+    # as a run's workers step (Note [host allocations]), before anything is allocated
+    steady_host_allocations(keep_large=not use_cuda)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -146,7 +146,7 @@ def load(path: str, world: int, cuda: bool) -> Calibration:
 def _measured(world: int, device_type: str) -> Calibration:
     """This process measured once (parallel.calibration.quick): auto's candidates and the plan it picks are
     priced with the same rates. Under the workers' host allocator (`_replay`)."""
-    steady_host_allocations()
+    steady_host_allocations(keep_large=device_type == "cpu")
     return quick(world, torch.device(device_type))
 
 
@@ -180,7 +180,7 @@ def _replay(device_type: str, threads: int | None, probe_s: float | None) -> Rep
     about 4 times a step.
     Only planning processes replay (launch/plan.py and calibrate.py, train.py's strategy=auto before it
     starts the workers, which set the same)."""
-    steady_host_allocations()
+    steady_host_allocations(keep_large=device_type == "cpu")
     return Replay(torch.device(device_type), threads, probe_s)
 
 

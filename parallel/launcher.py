@@ -275,7 +275,8 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
     gc.freeze()  # Note [the collector in a worker]
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = device_for_rank(cfg.trainer.device, local_rank)
-    steady_host_allocations()  # Note [host allocations]: before anything of the run is allocated
+    # Note [host allocations]: before anything of the run is allocated
+    steady_host_allocations(keep_large=device.type == "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if cfg.memory.fraction is not None:

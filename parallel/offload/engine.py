@@ -87,10 +87,11 @@ from parallel.runtime import Runtime
 def _return_freed_memory() -> None:
     """Have glibc give large freed blocks back to the system at once (Linux only).
 
-    glibc raises its mmap threshold after the first large free, and every worker fixes it high (Note [host
-    allocations] in parallel/memory/host.py), so tensors of that size come from the heap, where freed space
-    stays in the process: the activations that went to disk would still count against the process's memory.
-    A fixed 1 MiB threshold keeps large tensors in their own mappings, returned when freed.
+    glibc raises its mmap threshold after the first large free, and every worker fixes it high, one that
+    computes on the CPU taking every block from the heap (Note [host allocations] in parallel/memory/host.py),
+    so tensors of that size come from the heap, where freed space stays in the process: the activations that
+    went to disk would still count against the process's memory. A fixed 1 MiB threshold, blocks above it
+    mappings of their own again, keeps large tensors in their own mappings, returned when freed.
     """
     set_mmap_threshold(1 << 20, 128 << 10)  # the trim threshold back at glibc's default too
 

@@ -331,8 +331,8 @@ def test_replay_touches_the_heaps_top_where_a_warm_up_faulted_pages_in(monkeypat
     import parallel.cost as cost  # the process that replays takes the workers' allocator settings first
 
     events.clear()
-    monkeypatch.setattr(cost, "steady_host_allocations", lambda: events.append("steady"))
-    assert isinstance(cost._replay.__wrapped__("cpu", 1, None), Replay) and events == ["steady"]
+    monkeypatch.setattr(cost, "steady_host_allocations", lambda keep_large=False: events.append(("steady", keep_large)))
+    assert isinstance(cost._replay.__wrapped__("cpu", 1, None), Replay) and events == [("steady", True)]
 
 
 def test_replay_takes_a_call_at_the_speed_the_machine_was_calibrated_at(monkeypatch):
