@@ -10,7 +10,7 @@ import pytest
 # count and elements, the rounds before (warm-up).
 PROBE = """
 import resource, sys, torch
-from parallel.memory.host import set_mmap_threshold, steady_host_allocations
+from parallel.memory.host import steady_host_allocations
 mode, count, size, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if mode == "steady":
     assert steady_host_allocations()
