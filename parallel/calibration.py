@@ -114,6 +114,7 @@ import torch
 from parallel.flops import Flops  # the per-op count the planner makes
 from parallel.hardware import worker_threads
 from parallel.plan_work import BUCKET, MEMORY_SIZES, SIZES, Work
+from parallel.replay import probe_time
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
 COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -163,6 +164,10 @@ class Calibration:
     # the caches the way a call repeated alone finds them.
     replay_scale: float = 1.0
     replay_op_s: float = 0.0  # and a time per op call beyond it: autograd's and the optimizer's Python
+    # The probe product's time in the process that replayed the reference steps, alone (parallel.replay.probe_time):
+    # the speed a plan's replayed calls are held to. 0 (a file made before it was kept): the rate of products of
+    # its size class, measured with the processes all at once.
+    probe_s: float = 0.0
     # Collectives inside a training step, fitted to the framework's own runs (launch/calibrate.py, Note
     # [calibration]): a factor on the measured time of those that overlap compute (OVERLAPPED) and a time per
     # call issued from hooks (FSDP2's all-gathers and reduce-scatters, DDP's bucket all-reduces).
@@ -446,7 +451,7 @@ def quick(world: int, device: torch.device | None = None) -> Calibration:
                           op_s=per_op, step_s=per_step,
                           # in a process of a group (not where plans are made), left out: it would need the group
                           dtensor_op_s=0.0 if _group_up() else measure_dtensor_op(device, seconds=0.01),
-                          made="measured at start (one process)")
+                          made="measured at start (one process)", probe_s=probe_time(device, bursts=9) or 0.0)
     finally:
         torch.set_num_threads(before)
     alone = cal.share()

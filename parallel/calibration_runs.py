@@ -29,7 +29,7 @@ from parallel.calibration import (
 from parallel.hardware import worker_threads
 from parallel.memory.host import steady_host_allocations
 from parallel.plan_work import Work
-from parallel.replay import PROBE, Replay, probe_seconds
+from parallel.replay import Replay, probe_time
 
 
 def _burst(device: torch.device, seconds: float = 3e-4):
@@ -183,18 +183,22 @@ REFERENCES = (("mlp", 16, 2, 4), ("mlp", 64, 8, 16), ("mlp", 256, 4, 64), ("mlp"
               ("mlp", 1024, 6, 64))
 
 
-def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3,
-                  products: dict[str, float] | None = None, together=lambda: None, replay: bool = True,
-                  share: float = 1.0, workers: int = 1) -> list[tuple[dict, float, dict | None]]:
+def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 0.3, together=lambda: None,
+                  replay: bool = True, workers: int = 1,
+                  probe_s: float | None = None) -> tuple[list[tuple[dict, float, dict | None]], float | None]:
     """(the work of one step, Note [step work]; its measured seconds; its op calls timed one by one,
-    parallel.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step.
-    `products`: the rates just measured, which the replay's probe is held to as parallel.cost holds a
-    plan's (x `share`, the threads per core they were measured with). `together`: called before each step
-    is timed and around the replays (launch/calibrate.py's processes: a barrier, so that each times its
-    steps while the others time theirs, as a run's workers step together; then one process replays the
-    steps alone, as launch/plan.py replays a plan's calls, while the others wait); `workers`: the processes
-    whose steps share this machine's caches (each call replayed over operands spanning their bytes, as
-    parallel.cost replays a plan's)."""
+    parallel.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step, and
+    the probe product's time the calls were held to (`probe_s`, else measured now; None where not replayed or
+    off the CPU). `together`:
+    called before each step is timed and around the replays (launch/calibrate.py's processes: a barrier, so
+    that each times its steps while the others time theirs, as a run's workers step together; then one process
+    measures the probe and replays the steps alone, as launch/plan.py replays a plan's calls, while the others
+    wait); `workers`: the processes whose steps share this machine's caches (each call replayed over operands
+    spanning their bytes, as parallel.cost replays a plan's).
+
+    The probe is this process's own, alone: a rate of products measured with every process at once (what held
+    the calls before) came out 80.0 GFLOP/s at 128 in one of ten calibrations here and 94-96 in the others; the
+    calls held to it were priced 1.19x slower, and the gpt of benchmarks/auto.py 17% above its runs."""
     out = []
     for ref in references:
         step = _reference(*ref, device)
@@ -204,11 +208,11 @@ def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 
         together()
         out.append((work, _timed(step, device, seconds, least=3, batches=3), step.resident() * workers))
     together()
-    rate = products[str(PROBE)] * share if products else None
-    player = Replay(device, probe_s=probe_seconds(rate) if rate else None) if replay else None
+    probe = (probe_s or probe_time(device, bursts=9)) if replay else None
+    player = Replay(device, probe_s=probe) if replay else None
     timed = [player.price(work.calls, None, span=span) if player else None for work, _, span in out]
     together()
-    return [(work.as_dict(), measured, t) for (work, measured, _), t in zip(out, timed)]
+    return [(work.as_dict(), measured, t) for (work, measured, _), t in zip(out, timed)], probe
 
 
 def _send_pair(x: torch.Tensor, me: int, group) -> None:
@@ -240,16 +244,18 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool
                             world_size=world, device_id=device if use_cuda else None)
     try:
         dist.barrier()
+        # the reference steps three times, seconds apart, between the other measurements (a few seconds of
+        # steps can find the machine a fifth faster or slower than the next few; Note [calibration])
         products = measure_products(device)
+        steps, probe = measure_steps(device, together=dist.barrier, replay=rank == 0, workers=world)
         memory = measure_memory(device)
-        steps = measure_steps(device, products=products, together=dist.barrier, replay=rank == 0,
-                              share=max(1.0, world * torch.get_num_threads() / cores()) if not use_cuda else 1.0,
-                              workers=world)
+        steps += measure_steps(device, together=dist.barrier, replay=rank == 0, workers=world, probe_s=probe)[0]
         dtensor_op = measure_dtensor_op(device)
         dist.barrier()
         comm = measure_comm(rank, world, device) if world > 1 else {}
+        steps += measure_steps(device, together=dist.barrier, replay=rank == 0, workers=world, probe_s=probe)[0]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"products": products, "memory": memory, "steps": steps, "comm": comm,
+            json.dump({"products": products, "memory": memory, "steps": steps, "probe_s": probe, "comm": comm,
                        "dtensor_op_s": dtensor_op,
                        "threads": torch.get_num_threads(), "device": device_name(device)}, f)
         dist.barrier()
@@ -276,6 +282,7 @@ def calibrate(world: int, use_cuda: bool) -> Calibration:
                       cores=cores(), products=mean("products"), memory=mean("memory"),
                       comm=fit_comm([r["comm"] for r in ranks]),
                       dtensor_op_s=statistics.fmean(r["dtensor_op_s"] for r in ranks),
+                      probe_s=ranks[0]["probe_s"] or 0.0,
                       made=f"launch/calibrate.py on {platform.node()}, "
                            f"{datetime.datetime.now().isoformat(timespec='seconds')}")
     # every rank's reference steps, each step's time the mean over the ranks (they ran at once); the calls

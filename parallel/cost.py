@@ -192,9 +192,11 @@ def replay_for(cfg: Config, cal: Calibration, world: int) -> Replay | None:
         return None
     if cuda:
         return _replay("cuda", None, None)
-    # the replay runs in this one process: the probe is held to the calibration's rate as one process alone
-    # would have measured it (rates measured with the cores shared are that share slower)
-    return _replay("cpu", worker_threads(world), probe_seconds(cal.product_rate(PROBE) * cal.share()))
+    # the replay runs in this one process: its calls are held to the probe's time in the process that replayed
+    # the calibration's reference steps, alone; a file without one, to its rate of products of the probe's size
+    # as one process alone would have measured it (rates measured with the cores shared are that share slower)
+    probe = cal.probe_s or probe_seconds(cal.product_rate(PROBE) * cal.share())
+    return _replay("cpu", worker_threads(world), probe)
 
 
 def _contention(cal: Calibration, world: int) -> float:

@@ -77,8 +77,28 @@ PROBE = 128  # the side of the probe product (Replay's `probe_s`)
 
 
 def probe_seconds(rate: float) -> float:
-    """The probe product's time at `rate` FLOP/s (a calibration's rate for its size class)."""
+    """The probe product's time at `rate` FLOP/s (a calibration's rate for its size class): what a calibration
+    made before its probe was measured (Calibration.probe_s 0) holds a replay to."""
     return 2 * PROBE ** 3 / rate
+
+
+def probe_time(device: torch.device, repeats: int = 5, probe: torch.Tensor | None = None,
+               bursts: int = 1) -> float | None:
+    """The probe product's time in this process now, on a CPU (None elsewhere): the fastest of `repeats` after a
+    warm-up, as `Replay` times it beside each call (`probe`: the operand to use, else a new one); with `bursts`,
+    the median of that many such, 10 ms apart (one burst lasts a quarter of a millisecond: one of five
+    calibrations here timed it 52.8 us, the others 43.6-43.9 us).
+    """
+    if device.type != "cpu":
+        return None
+    probe = torch.ones(PROBE, PROBE, device=device) if probe is None else probe
+    fastest = []
+    for burst in range(bursts):
+        if burst:
+            time.sleep(0.01)
+        probe @ probe
+        fastest.append(min(_once(lambda: probe @ probe) for _ in range(repeats)))
+    return statistics.median(fastest)
 
 
 # Bytes of the heap's top written before a call shape is timed on a CPU where its warm-up faulted pages in
@@ -151,9 +171,7 @@ class Replay:
         """The probe's time now over its calibrated time (1: as calibrated; 2: twice as slow), within 1/4..4."""
         if self._probe is None:
             return 1.0
-        self._probe @ self._probe
-        now = min(_once(lambda: self._probe @ self._probe) for _ in range(3))
-        return min(4.0, max(0.25, now / self.probe_s))
+        return min(4.0, max(0.25, probe_time(self.device, 3, self._probe) / self.probe_s))
 
     def copies(self, key: tuple, span: int) -> int:
         """How many operand sets a call is timed over in a step of `span` bytes: as many as span, rounded up to

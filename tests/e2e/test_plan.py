@@ -158,6 +158,7 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
     rates = json.loads(cal.read_text())
     assert rates["world"] == 2 and rates["threads"] >= 1 and rates["op_s"] > 0 and rates["dtensor_op_s"] > 0
     assert rates["replay_scale"] > 0 and rates["replay_op_s"] >= 0
+    assert 0 < rates["probe_s"] < 0.1  # a 128 x 128 product, timed by the process that replayed the steps
     assert {f"{k}/2" for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")} == \
         set(rates["comm"]) and all([n for n, _ in pts] == [4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20] and
                                   all(t > 0 for _, t in pts) for pts in rates["comm"].values())

@@ -17,7 +17,7 @@ from parallel.models.build import build_meta_model
 from parallel.plan_standins import DDPStandIn
 from parallel.plan_work import Work, byte_class, ddp_calls, size_class, spec
 from parallel.planner import plan
-from parallel.replay import Replay, _real
+from parallel.replay import Replay, _real, probe_time
 from parallel.validate import validate
 
 
@@ -350,6 +350,22 @@ def test_replay_takes_a_call_at_the_speed_the_machine_was_calibrated_at(monkeypa
     replay = Replay(torch.device("cpu"), probe_s=1.0)
     monkeypatch.setattr(replay, "_speed", lambda: 2.0)
     assert 0.9e-3 < replay._time(key) < 2.5e-3  # 2 ms slept (a busy machine: more), twice as slow as calibrated
+
+
+def test_replayed_calls_are_held_to_the_calibration_s_own_probe(monkeypatch):
+    """replay_for: a plan's calls are held to the probe the calibration's replaying process timed alone; a file
+    without one (made before it was kept), to its rate of products of the probe's size."""
+    import parallel.cost as cost
+
+    monkeypatch.setattr(cost, "_replay", lambda kind, threads, probe_s: probe_s)
+    cfg = Config()
+    rates = {"16": 1e9, "128": 2 * 128 ** 3 / 40e-6}  # a 128 x 128 product in 40 us
+    old = Calibration(torch="x", device="cpu", world=2, threads=1, cores=2, products=rates, memory={"4096": 1e-9})
+    assert cost.replay_for(cfg, old, 2) == pytest.approx(40e-6)
+    assert cost.replay_for(cfg, dataclasses.replace(old, probe_s=55e-6), 2) == 55e-6
+    assert cost.replay_for(cfg, dataclasses.replace(old, host="elsewhere", probe_s=55e-6), 2) is None
+    probe = probe_time(torch.device("cpu"))
+    assert 0 < probe < 0.1 and probe_time(torch.device("meta")) is None
 
 
 def test_quick_measures_every_term():
