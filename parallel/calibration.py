@@ -16,7 +16,11 @@ they share are in every figure), and each measures:
                16x, less the time of the smallest such op (its dispatch)
     steps      9 reference training steps (plain torch MLPs and a small
                transformer; forward, backward, clipping, AdamW), all
-               processes stepping together, and their work:
+               processes stepping together, three times seconds apart
+               (after the products, the memory-bound ops and the
+               collectives: a few seconds of steps found the machine up to
+               a fifth faster or slower than the next few here), and their
+               work:
                products_scale, memory_scale (what ops cost in a step
                beyond what they cost alone: caches, new allocations,
                GELU's arithmetic), op_s (per op) and step_s (per step)
@@ -25,14 +29,19 @@ they share are in every figure), and each measures:
                calls timed one by one by one process alone, as
                launch/plan.py times a plan's (parallel.replay, each call
                over operand sets that span the step's bytes times the
-               processes, as the plan's are), their sum fitted to the
+               processes, as the plan's are; each held to the speed of a
+               probe product that process timed alone, probe_s, the
+               median of nine bursts, which a plan's calls are then held
+               to as well), their sum fitted to the
                steps' time less step_s as replay_scale (>= 1) x the calls +
                replay_op_s x the ops (autograd's and the optimizer's
                Python per call). The steps took 1.2-2.4x their calls timed
                on one set of operands, repeated alone; over such sets,
                0.94-1.49x for the six larger steps in three calibrations
                (0.94-1.00x in one), the three small ones 1.3-2.0x (their
-               Python)
+               Python). replay_scale 1.057-1.104 in six calibrations one
+               after another, 1.000-1.133 in nine with the steps measured
+               once and no probe of their own (docs/step-time-history.md)
     dtensor    what DTensor's own dispatch adds to an op (sharding
                propagation, unwrapping, wrapping): a few small ops and
                AdamW's step on sharded DTensors less the same on their

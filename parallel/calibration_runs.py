@@ -189,16 +189,15 @@ def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 
     """(the work of one step, Note [step work]; its measured seconds; its op calls timed one by one,
     parallel.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step, and
     the probe product's time the calls were held to (`probe_s`, else measured now; None where not replayed or
-    off the CPU). `together`:
-    called before each step is timed and around the replays (launch/calibrate.py's processes: a barrier, so
-    that each times its steps while the others time theirs, as a run's workers step together; then one process
-    measures the probe and replays the steps alone, as launch/plan.py replays a plan's calls, while the others
-    wait); `workers`: the processes whose steps share this machine's caches (each call replayed over operands
-    spanning their bytes, as parallel.cost replays a plan's).
+    off the CPU). `together`: called before each step is timed and around the replays (launch/calibrate.py's
+    processes: a barrier, so that each times its steps while the others time theirs, as a run's workers step
+    together; then one process times the probe and replays the steps alone, as launch/plan.py replays a plan's
+    calls, while the others wait); `workers`: the processes whose steps share this machine's caches (each call
+    replayed over operands spanning their bytes, as parallel.cost replays a plan's).
 
-    The probe is this process's own, alone: a rate of products measured with every process at once (what held
+    The probe is this process's own, alone: the rate of products measured with every process at once (what held
     the calls before) came out 80.0 GFLOP/s at 128 in one of ten calibrations here and 94-96 in the others; the
-    calls held to it were priced 1.19x slower, and the gpt of benchmarks/auto.py 17% above its runs."""
+    calls held to it were priced about 1.19x slow, and the gpt of benchmarks/auto.py up to 18% above its runs."""
     out = []
     for ref in references:
         step = _reference(*ref, device)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallel.calibration import Calibration, call_seconds, fit_replay, measure_dtensor_op, quick
-from parallel.calibration_runs import fit_comm, fit_in_step
+from parallel.calibration_runs import fit_comm, fit_in_step, measure_steps
 from parallel.config import Config, ConfigError
 from parallel.cost import comm_time, compute_time, load, step_times
 from parallel.hardware import last_level_cache
@@ -366,6 +366,23 @@ def test_replayed_calls_are_held_to_the_calibration_s_own_probe(monkeypatch):
     assert cost.replay_for(cfg, dataclasses.replace(old, host="elsewhere", probe_s=55e-6), 2) is None
     probe = probe_time(torch.device("cpu"))
     assert 0 < probe < 0.1 and probe_time(torch.device("meta")) is None
+
+
+def test_reference_steps_are_replayed_at_one_probe_speed(monkeypatch):
+    """measure_steps times the probe once, alone, and holds its replays to it; launch/calibrate.py's later rounds
+    of the same steps are held to the first round's probe."""
+    import parallel.calibration_runs as runs
+
+    held = []
+    monkeypatch.setattr(runs, "Replay", lambda device, probe_s: held.append(probe_s) or Replay(device, probe_s=probe_s))
+    tiny = (("mlp", 16, 2, 4),)
+    steps, probe = measure_steps(torch.device("cpu"), tiny, seconds=0.01)
+    (work, seconds, timed), = steps
+    assert 0 < probe < 0.1 and seconds > 0 and timed["products"] + timed["memory"] > 0 and work["ops"] > 0
+    again, kept = measure_steps(torch.device("cpu"), tiny, seconds=0.01, probe_s=2 * probe)
+    assert kept == 2 * probe and again[0][2] is not None and held == [probe, 2 * probe]
+    plain, none = measure_steps(torch.device("cpu"), tiny, seconds=0.01, replay=False)  # the other processes'
+    assert none is None and plain[0][2] is None and plain[0][1] > 0
 
 
 def test_quick_measures_every_term():
