@@ -25,8 +25,8 @@ Models (2 ranks, as in the issue that asked for it):
     llama  the 125M Hugging Face Llama of benchmarks/hf.py (slow on a CPU, 3-6 s a step: --models llama --rounds 2
            --steps 13 --out benchmarks/results/auto_llama.json, about 27 minutes here; one round, about 15)
 
-The results in benchmarks/results/ were made with --calibrate-each-round (--rounds 3 for the MLP and the gpt,
-about 14 minutes here).
+The results in benchmarks/results/ were made with --calibrate-each-round and --rounds 3: auto.json (the MLP and the
+gpt, about 15 minutes here) and auto_llama.json (38 minutes); auto_llama_rounds2.json with --rounds 2 (26 minutes).
 """
 from __future__ import annotations
 
