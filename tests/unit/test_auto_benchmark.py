@@ -1,8 +1,11 @@
 """benchmarks/auto.py reads a run's step time as the framework logs it: the mean of its logged windows after the
-warm-up, without a window of one step (the last step alone, under the memory watch)."""
+warm-up, without a window of one step (the last step alone, under the memory watch); and compares auto's pick
+with the measured best by pairs run one after the other."""
+import argparse
 import json
 
-from benchmarks.auto import step_time
+import benchmarks.auto as bench
+from benchmarks.auto import head_to_head, step_time
 
 
 def _metrics(tmp_path, records):
@@ -21,3 +24,28 @@ def test_every_window_of_several_steps_after_the_warm_up_counts(tmp_path):
     run = _metrics(tmp_path, [{"step": s, "step_time_s": t} for s, t in ((6, 9.0), (12, 1.0), (18, 2.0), (24, 3.0))])
     assert step_time(run, 6) == 2.0
     assert step_time(run, 12) == 2.5
+
+
+def _runs(monkeypatch, times):
+    """benchmarks.auto's runs recorded, not started: each run's step time the next of `times`."""
+    started, times = [], iter(times)
+    monkeypatch.setattr(bench, "run", lambda script, args, timeout: started.append(args[1]))
+    monkeypatch.setattr(bench, "step_time", lambda run_dir, after: next(times))
+    return started
+
+
+def test_the_pick_and_the_best_run_in_turn_and_their_ratio_is_of_pairs(monkeypatch, tmp_path):
+    started = _runs(monkeypatch, [1.0, 2.0, 1.1, 1.0])
+    a = argparse.Namespace(pairs=2, nproc=2, steps=13, timeout=1.0)
+    pick, best = {"name": "data zero 0", "overrides": ["pick"]}, {"name": "model tp2", "overrides": ["best"]}
+    pairs = head_to_head("m", [], a, tmp_path, pick, best, [(2.9, 2.7), (2.7, 2.7)])
+    assert started == ["pick", "best", "pick", "best"]
+    assert pairs == [(2.9, 2.7), (2.7, 2.7), (1.0, 2.0), (1.1, 1.0)]
+
+
+def test_a_pick_that_is_the_best_runs_no_more_pairs(monkeypatch, tmp_path):
+    started = _runs(monkeypatch, [])
+    a = argparse.Namespace(pairs=3, nproc=2, steps=13, timeout=1.0)
+    pick = {"name": "data zero 0", "overrides": ["pick"]}
+    assert head_to_head("m", [], a, tmp_path, pick, pick, [(1.0, 1.0)]) == [(1.0, 1.0)]
+    assert started == []
