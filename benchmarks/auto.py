@@ -135,7 +135,7 @@ def bench(name: str, model: list[str], a: argparse.Namespace, tmp: Path) -> dict
     return {"model": model, "calibration": json.loads(Path(cals[0]).read_text()),
             "calibrations": [json.loads(Path(c).read_text()) for c in cals[1:]], "rows": rows,
             "pick": pick["candidate"], "best": best["candidate"], "pairs_s": pairs,
-            "pick_over_best": statistics.median(p / b for p, b in pairs),
+            "pick_over_best": ratio_of_pairs(pairs),
             "pick_over_best_of_medians": pick["measured_s"] / best["measured_s"],
             "max_abs_error_pct": max(abs(r["error_pct"]) for r in rows)}
 
@@ -143,8 +143,8 @@ def bench(name: str, model: list[str], a: argparse.Namespace, tmp: Path) -> dict
 def head_to_head(name: str, model: list[str], a: argparse.Namespace, tmp: Path, pick: dict, best: dict,
                  pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The pick's and the measured best's step times, a pair per round, and --pairs more pairs run one right
-    after the other (pick, best, pick, best ...) where the best is another candidate: their ratio is the median
-    of the pairs' (a candidate's rounds here move by up to a fifth; two runs back to back move together)."""
+    after the other (pick, best, pick, best ...) where the best is another candidate (a round runs every
+    candidate in turn, minutes apart, and this machine has moved the same run by up to a half between rounds)."""
     if pick is best:
         return pairs
     for i in range(a.pairs):
@@ -158,6 +158,11 @@ def head_to_head(name: str, model: list[str], a: argparse.Namespace, tmp: Path, 
               flush=True)
         pairs.append(tuple(pair))
     return pairs
+
+
+def ratio_of_pairs(pairs: list[tuple[float, float]]) -> float:
+    """Pick / best: the median of the pairs' ratios."""
+    return statistics.median(p / b for p, b in pairs)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ import argparse
 import json
 
 import benchmarks.auto as bench
-from benchmarks.auto import head_to_head, step_time
+from benchmarks.auto import head_to_head, ratio_of_pairs, step_time
 
 
 def _metrics(tmp_path, records):
@@ -41,6 +41,7 @@ def test_the_pick_and_the_best_run_in_turn_and_their_ratio_is_of_pairs(monkeypat
     pairs = head_to_head("m", [], a, tmp_path, pick, best, [(2.9, 2.7), (2.7, 2.7)])
     assert started == ["pick", "best", "pick", "best"]
     assert pairs == [(2.9, 2.7), (2.7, 2.7), (1.0, 2.0), (1.1, 1.0)]
+    assert ratio_of_pairs(pairs) == (1.0 + 2.9 / 2.7) / 2  # the median of 0.5, 1.0, 1.074 and 1.1
 
 
 def test_a_pick_that_is_the_best_runs_no_more_pairs(monkeypatch, tmp_path):
