@@ -87,6 +87,14 @@ def step_time(run_dir: Path, after: int) -> float:
     return statistics.fmean(times)
 
 
+def train(candidate: dict, model: list[str], a: argparse.Namespace, prefix: Path) -> float:
+    """Train `candidate` by name for --steps steps (its run directory `prefix`-<its name>); its step time."""
+    run_dir = Path(f"{prefix}-{candidate['name'].replace(' ', '_')}")
+    run("train.py", [f"nproc={a.nproc}", *candidate["overrides"], *model, f"trainer.steps={a.steps}",
+                     "trainer.log_every=6", "trainer.progress=false", f"run_dir={run_dir}"], a.timeout)
+    return step_time(run_dir, 6)
+
+
 def calibrate_and_plan(name: str, model: list[str], a: argparse.Namespace, tmp: Path, r: int) -> tuple[str, list]:
     """A calibration (--calibration, or `launch/calibrate.py` run now) and `launch/plan.py strategy=auto` priced
     with it: (the calibration's path, the candidates that fit, the chosen one first)."""
@@ -115,10 +123,7 @@ def bench(name: str, model: list[str], a: argparse.Namespace, tmp: Path) -> dict
             for c in fits:  # the same candidates fit: memory is planned to the byte, not measured
                 predicted[c["name"]].append(times[c["name"]])
         for c in fits:
-            run_dir = tmp / f"{name}-{len(measured[c['name']])}-{c['name'].replace(' ', '_')}"
-            run("train.py", [f"nproc={a.nproc}", *c["overrides"], *model, f"trainer.steps={a.steps}",
-                             "trainer.log_every=6", "trainer.progress=false", f"run_dir={run_dir}"], a.timeout)
-            measured[c["name"]].append(step_time(run_dir, 6))
+            measured[c["name"]].append(train(c, model, a, tmp / f"{name}-{len(measured[c['name']])}"))
             print(f"  round {r + 1} {c['name']}: {measured[c['name']][-1] * 1e3:.1f} ms", flush=True)
     rows = []
     for c in fits:
@@ -150,10 +155,7 @@ def head_to_head(name: str, model: list[str], a: argparse.Namespace, tmp: Path, 
     for i in range(a.pairs):
         pair = []
         for c in (pick, best):
-            run_dir = tmp / f"{name}-pair{i}-{c['name'].replace(' ', '_')}"
-            run("train.py", [f"nproc={a.nproc}", *c["overrides"], *model, f"trainer.steps={a.steps}",
-                             "trainer.log_every=6", "trainer.progress=false", f"run_dir={run_dir}"], a.timeout)
-            pair.append(step_time(run_dir, 6))
+            pair.append(train(c, model, a, tmp / f"{name}-pair{i}"))
         print(f"  pair {i + 1}: {pick['name']} {pair[0] * 1e3:.1f} ms, {best['name']} {pair[1] * 1e3:.1f} ms",
               flush=True)
         pairs.append(tuple(pair))
