@@ -14,6 +14,9 @@ to the one before:
                 optimizer.step, zero_grad, scheduler.step, on the hand-written step's data
     data        + the framework's data (run.data.batch: this rank's slice of the step's global batch)
     train_step  parallel.trainer.train_step (the profile's phases, the look-ahead check)
+    guard       + the divergence guard (parallel.nonfinite.Guard: the step's loss and gradient norm read and
+                checked before the optimizer step, Note [non-finite steps]; on the CPU a read of host memory,
+                on CUDA one synchronization)
     loop        parallel.trainer.train: the whole loop a run steps (progress, the memory watch and
                 metrics at logged steps, checkpoint and evaluation checks, the preemption agreement), its
                 step_time_s (steady steps, as benchmarks/overhead.py reads it)
@@ -36,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNGS = ("hand", "engine", "data", "train_step", "loop")
+RUNGS = ("hand", "engine", "data", "train_step", "guard", "loop")
 TIMEOUT_S = 600
 
 
@@ -52,6 +55,7 @@ def worker(a) -> None:
     from parallel import preemption
     from parallel.config import Config
     from parallel.dims import ParallelDims
+    from parallel.nonfinite import Guard
     from parallel.runtime import Runtime
     from parallel.trainer import build_run, train, train_step
     from parallel.validate import validate
@@ -67,6 +71,7 @@ def worker(a) -> None:
     cpu = torch.device("cpu")
     run = build_run(cfg, ParallelDims.of(cfg.strategy, world), Runtime(device=cpu))
 
+    guard = Guard(cfg.trainer, Path(tempfile.gettempdir()))  # the run directory is named only when it stops
     hand, hand_data = hand_step(cfg.data.features, cfg.data.targets, a.hidden, a.depth, a.batch, a.steps, rank,
                                 world)
 
@@ -82,6 +87,7 @@ def worker(a) -> None:
         "engine": lambda step: engine_step(*hand_data(step)),
         "data": lambda step: engine_step(*run.data.batch(step, cpu)),
         "train_step": lambda step: train_step(run, step),
+        "guard": lambda step: train_step(run, step, guard),
     }
 
     def timed(name: str) -> float:

@@ -41,6 +41,7 @@ INITS = ("module", "name")
 PRECISIONS = ("auto", "fp32", "bf16")
 REDUCE_PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+NONFINITE = ("stop", "skip")  # trainer.nonfinite: Note [non-finite steps] in parallel/nonfinite.py
 LR_SCHEDULES = ("cosine", "constant", "linear", "wsd")
 BALANCES = ("time", "memory", "params")
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -235,8 +236,13 @@ class TrainerConfig:
     precision: str = "auto"
     # The dtype gradients are reduced over data-parallel ranks in: fp32 (default), or bf16 (half the bytes).
     reduce_precision: str = "fp32"
-    # Seconds a collective may wait before the run fails instead of hanging.
+    # Seconds a collective may wait before the run fails instead of hanging; init_timeout_s until the first step
+    # has ended (Note [two timeouts] in parallel/dims.py).
     timeout_s: float = 300.0
+    init_timeout_s: float = 1800.0
+    # A step with a non-finite loss or grad norm: stop the run, or skip it (Note [non-finite steps]).
+    nonfinite: str = "stop"
+    nonfinite_limit: int = 5
     progress: bool = True
     # Write the trained weights, gathered and unpartitioned, to <run_dir>/final_model.pt.
     save_final: bool = False
@@ -417,6 +423,13 @@ def check_trainer(t: TrainerConfig) -> None:
         fail("trainer.clip_grad_norm", t.clip_grad_norm, "must be >= 0 (0 disables clipping)")
     if t.timeout_s <= 0:
         fail("trainer.timeout_s", t.timeout_s, "must be > 0 seconds")
+    if not t.init_timeout_s >= t.timeout_s:
+        fail("trainer.init_timeout_s", t.init_timeout_s, f"the wait before the first step has ended must be >= "
+             f"trainer.timeout_s={t.timeout_s:g}", f">= {t.timeout_s:g}")
+    if t.nonfinite not in NONFINITE:
+        fail("trainer.nonfinite", t.nonfinite, "what a step with a non-finite loss or gradient norm does",
+             list(NONFINITE))
+    positive("trainer.nonfinite_limit", t.nonfinite_limit)
     if t.peak_flops is not None and not 0 < t.peak_flops < float("inf"):
         fail("trainer.peak_flops", t.peak_flops, "must be a device's peak FLOP/s > 0", ["e.g. 989e12", "null"])
     if not t.preempt_timeout_s > 0:

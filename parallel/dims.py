@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import ConfigError, StrategyConfig, strategy_spec
@@ -217,3 +219,26 @@ def check_gpus(device: str, processes: int | None, started_by: str | None = None
     raise ConfigError(f"{given}: {processes} processes on this machine with trainer.device={device} need a GPU each, "
                       f"and {visible} visible ({gpus.variable()}); start at most {gpus.count} ({fewer}), train on "
                       f"the CPU (trainer.device=cpu), or make more GPUs visible")
+
+
+# Note [two timeouts]
+# Building a run (the model, the user's initial values handed from rank 0, a
+# checkpoint read back), compiling its blocks and its first step may take far
+# longer than a step: a large model's initialisation or a cold compile. Every
+# collective before the end of the first step waits up to trainer.init_timeout_s
+# (the process group is opened with it, parallel/launcher.py; the mesh's and the
+# pipeline's groups are set to it once built); after the first step the trainer
+# lowers every group to trainer.timeout_s, so that a rank that hangs later is
+# found in minutes. torch gives each new group its backend's default (30 min on
+# gloo, 10 on NCCL), not the world group's, hence every group of the process.
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group of this process waits `seconds` at most for a collective (Note [two timeouts])."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # private: parallel/torch_compat.py
+
+    if not dist.is_initialized():
+        return
+    for group in list(_world.pg_map):
+        if dist.get_rank(group) >= 0:  # this rank is in it
+            _set_pg_timeout(timedelta(seconds=seconds), group)

@@ -47,6 +47,7 @@ from parallel.hardware import worker_threads
 from parallel.memory.host import steady_host_allocations
 from parallel.memory.oom import OUT_OF_MEMORY, OutOfMemory
 from parallel.metrics import log, setup_logging
+from parallel.nonfinite import NON_FINITE, NonFinite
 from parallel.trainer import run_training
 
 
@@ -136,6 +137,8 @@ def _start_workers(cfg_dict: dict, run_dir: str, nproc: int) -> None:
         rank, failure = e.get_first_failure()
         if OUT_OF_MEMORY in codes and not _failure_traceback(failure):
             raise Reported("a worker ran out of GPU memory") from None  # its line is out (Note [out of memory])
+        if NON_FINITE in codes and not _failure_traceback(failure):
+            raise Reported("a step was not finite") from None  # its line is out (Note [non-finite steps])
         raise WorkerFailed(rank, _failure_message(failure), _failure_traceback(failure)) from None
     finally:
         agent_log.setLevel(level)
@@ -177,8 +180,8 @@ class Interrupted(Exception):
 
 
 class Reported(Exception):
-    """The failed workers have said why, one line each (Note [out of memory]): the run ends with exit status 1
-    and nothing more."""
+    """The failed workers have said why, one line each (Note [out of memory]), or rank 0 has for all of them (a
+    non-finite step, Note [non-finite steps]): the run ends with exit status 1 and nothing more."""
 
 
 class WorkerFailed(RuntimeError):
@@ -221,6 +224,8 @@ def worker(cfg_dict: dict, run_dir: str | None, proposed: str | None = None) -> 
         # Ctrl-C reaches every worker; the launcher says so once. A checkpoint being
         # written stays unfinished, and is skipped (Note [atomic checkpoint]).
         sys.exit(130)
+    except Reported:  # the line is out (a non-finite step: Note [non-finite steps])
+        sys.exit(NON_FINITE)
     except OutOfMemory as e:  # each rank that ran out says so, in one line and no traceback (Note [out of memory])
         print(f"error: {e}", file=sys.stderr)
         sys.exit(OUT_OF_MEMORY)
@@ -284,7 +289,7 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
     if device.type == "cpu" and (threads := worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))):
         torch.set_num_threads(threads)  # the cores shared out among this machine's workers
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=cfg.trainer.timeout_s)
+    timeout = timedelta(seconds=cfg.trainer.init_timeout_s)  # until the first step has ended: Note [two timeouts]
     if single_process:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
@@ -302,6 +307,11 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
                 log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
             _warn_shared_store()
             run_training(cfg, run_dir, device)
+    except NonFinite as e:  # Note [non-finite steps]: one line, printed before any rank may end
+        if e.says:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        _close_group(drain=e.agreed)
+        raise Reported(str(e)) from None
     except preemption.Preempted as e:
         _close_group(drain=True)
         preemption.finish(e, cfg.trainer.requeue)  # in a submitit job, it may exit here (requeued)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from parallel import checkpoint, evaluation, preemption
 from parallel.config import Config
 from parallel.data import DataSource, build_data, build_eval_data
-from parallel.dims import ParallelDims, batch_mesh
+from parallel.dims import ParallelDims, batch_mesh, set_collective_timeout
 from parallel.engine import Engine, LooksAhead, looks_ahead, own_optimizer
 from parallel.init import ByName, InitPlan, init_plan
 from parallel.loss import end_steps
@@ -30,6 +30,7 @@ from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, 
 from parallel.models import weights
 from parallel.models.build import build_meta_model
 from parallel.models.moe_stats import moe_record
+from parallel.nonfinite import Guard, NonFinite
 from parallel.optim import all_sum, build_optimizer, param_names
 from parallel.profiling import Profiling, phase
 from parallel.runtime import Runtime
@@ -124,7 +125,10 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
     world = dist.get_world_size()
     dims = ParallelDims.of(cfg.strategy, world)
     cfg.run_dir = str(run_dir)  # strategies may keep files there (offload's disk tier)
-    run = build_run(cfg, dims, Runtime(device=device), run_dir=run_dir)
+    mesh = dims.build_mesh(device.type)
+    set_collective_timeout(cfg.trainer.init_timeout_s)  # the mesh's groups too (Note [two timeouts])
+    run = build_run(cfg, dims, Runtime(device=device), mesh=mesh, run_dir=run_dir)
+    set_collective_timeout(cfg.trainer.init_timeout_s)  # and those the strategy made (a pipeline's)
     weights.done(run_dir)
     console_on(run.is_logger)
     # After building (rank 0 built the user's model under its own seed; a pipeline may have timed blocks) and
@@ -161,12 +165,13 @@ def next_batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def train_step(run: Run, step: int, guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor, float, object]:
     """One optimizer step over the global batch.
 
-    Returns (this rank's mean loss, global grad norm, data time); the loss is
-    averaged over data-parallel ranks only when it is logged, to keep a
-    collective out of every step.
+    Returns (this rank's mean loss, global grad norm, data time, the guard's verdict); the loss is
+    averaged over data-parallel ranks only when it is logged, to keep a collective out of every step. The
+    guard (Note [non-finite steps] in parallel/nonfinite.py) sees the loss and the norm before the optimizer
+    does: True, the step applies; False, it is dropped; a NonFinite, the run stops (nothing applied).
     """
     t0 = time.perf_counter()
     with phase("data"):  # the phases a profile names (Note [profiles] in parallel/profiling.py)
@@ -176,11 +181,14 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         loss = run.engine.forward_backward(x, y)
     with phase("clip"):
         norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)
+    verdict = True if guard is None else guard.check(step, loss, norm)
     with phase("optimizer_step"):
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step()
-    return loss, norm, data_time
+        if verdict is True:
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)  # a dropped step's gradients go with it
+        if verdict is True:
+            run.scheduler.step()
+    return loss, norm, data_time, verdict
 
 
 def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
@@ -192,6 +200,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     memory = PeakMemory(run.device)
     profiling = Profiling(t, run_dir, run.device)  # trainer.profile, trainer.memory_snapshot
     speed = Throughput.start(cfg, run.device, run.is_logger)  # Note [throughput] in parallel/throughput.py
+    guard = Guard(t, run_dir)  # Note [non-finite steps] in parallel/nonfinite.py
     bar = progress_bar(t.steps, start, run.is_logger and t.progress)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
     # run; freezing it keeps the cyclic garbage collector from re-scanning it in
@@ -207,17 +216,19 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
         watched = step == start + 1 or logging_step
         t0 = time.perf_counter()
         with profiling.step(step), memory.watch(run.engine, run.optimizer) if watched else contextlib.nullcontext():
-            loss, norm, data_time = train_step(run, step)
+            loss, norm, data_time, verdict = train_step(run, step, guard)
+        if isinstance(verdict, NonFinite):  # before this step's log line and checkpoint
+            stop = verdict
+            break
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         window.add(time.perf_counter() - t0, data_time, watched)
-        if step == start + 1 and run.compile_clock is not None and run.is_logger:
-            log.info("trainer.compile: %d compilations, %.1f s, in the first step", run.compile_clock.count,
-                     run.compile_clock.seconds)
+        if step == start + 1:
+            first_step_done(run)
         bar.update(1)
         evals = log_eval(run, step) if evaluation.due(cfg, step) else {}
         if logging_step:
-            record = log_step(run, metrics, memory, window, step, loss, norm, evals, speed)
+            record = log_step(run, metrics, memory, window, step, loss, norm, evals, speed, guard)
             losses.append(record["loss"])
             bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
                             **postfix(record))
@@ -237,6 +248,15 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     return losses
 
 
+def first_step_done(run: Run) -> None:
+    """After the first step of this process's run: collectives wait trainer.timeout_s from now on (Note [two
+    timeouts] in parallel/dims.py); the compilations it made, logged."""
+    set_collective_timeout(run.cfg.trainer.timeout_s)
+    if run.compile_clock is not None and run.is_logger:
+        log.info("trainer.compile: %d compilations, %.1f s, in the first step", run.compile_clock.count,
+                 run.compile_clock.seconds)
+
+
 def log_eval(run: Run, step: int) -> dict:
     """Evaluate after `step` (collective: every rank calls it); the figures, also in the log."""
     record = evaluation.evaluate(run.cfg, run.engine, run.eval_data, run.device)
@@ -246,7 +266,8 @@ def log_eval(run: Run, step: int) -> dict:
 
 
 def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", step: int, loss: torch.Tensor,
-             norm: torch.Tensor, evals: dict | None = None, speed: Throughput | None = None) -> dict:
+             norm: torch.Tensor, evals: dict | None = None, speed: Throughput | None = None,
+             guard: Guard | None = None) -> dict:
     """Write the record of a logged step (collective: every rank calls it), with the evaluation's figures
     after that step if any, and return it."""
     t = run.cfg.trainer
@@ -268,6 +289,7 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
     record.update(memory_record(memory))
     record.update(state_record(run))
     record.update(evals or {})
+    record.update(guard.record() if guard is not None else {})
     if run.compile_clock is not None:
         record.update(run.compile_clock.record())
     metrics.log(record)

@@ -30,6 +30,16 @@ def regression(n: int = 96, features: int = 8, targets: int = 2, seed: int = 0) 
     return Regression(n, features, targets, seed)
 
 
+def poisoned(n: int = 96, features: int = 8, targets: int = 2, batch: int = 8, steps: tuple = (3,),
+             seed: int = 0) -> Regression:
+    """`regression`, with one NaN target in the global batch of each of `steps` (the data read in order,
+    data.shuffle=false, `batch` samples a step): a loss that is not finite at chosen steps, under any strategy."""
+    ds = Regression(n, features, targets, seed)
+    for step in steps:
+        ds.y[((step - 1) * batch) % n, 0] = float("nan")
+    return ds
+
+
 def hf_classification(n: int = 96, features: int = 8, classes: int = 3):
     """A Hugging Face datasets.Dataset built in memory: dict samples {'x': floats, 'labels': int}, a
     ClassLabel feature stating the number of classes."""

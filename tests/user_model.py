@@ -290,3 +290,25 @@ def out_of_memory_at(features: int = 32, width: int = 16, out: int = 4, at: int 
                      rank: int = -1) -> nn.Module:
     """A small MLP whose last layer (`2`) runs out of memory at step `at` (one forward a step): OutOfMemoryAt."""
     return nn.Sequential(nn.Linear(features, width), nn.Tanh(), OutOfMemoryAt(width, out, at, phase, rank))
+
+
+class TimeoutProbe(nn.Linear):
+    """At each training forward in a worker, appends the collective timeouts of its process's groups (seconds,
+    each value once) as a line of timeouts-rank<R>.txt in the working directory: Note [two timeouts] read back."""
+
+    def forward(self, x):
+        import json
+
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _world
+
+        if dist.is_initialized() and self.training and x.device.type != "meta":
+            seconds = sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                              for g in _world.pg_map if dist.get_rank(g) >= 0})
+            with open(f"timeouts-rank{dist.get_rank()}.txt", "a") as f:
+                f.write(json.dumps(seconds) + "\n")
+        return super().forward(x)
+
+
+def timeout_probe(features: int = 32, out: int = 4) -> nn.Module:
+    return TimeoutProbe(features, out)

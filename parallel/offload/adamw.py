@@ -104,6 +104,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.block_adamw.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        self.block_adamw.drop_waiting()  # nothing, after a step that ran
         for p in self.block_adamw.resident:
             p.grad = None
 
@@ -124,7 +125,12 @@ class BlockAdamW:
 
     def __init__(self, cfg: Config, layout: Layout, stream: WeightStream, tier, pool: BufferPool,
                  stepper: Executor, finisher: Executor, device: torch.device):
-        self.optim_cfg, self.clip_norm = cfg.optim, cfg.trainer.clip_grad_norm
+        self.optim_cfg = cfg.optim
+        # Whether blocks step after backward (the global norm first) rather than during it: with clipping, and
+        # under trainer.nonfinite=skip, so that a dropped step leaves every block as it was (Note [non-finite
+        # steps] in parallel/nonfinite.py).
+        self.deferred = cfg.trainer.clip_grad_norm > 0 or cfg.trainer.nonfinite == "skip"
+        self.halted = False  # during backward: a block's gradients were not finite, no later block steps
         self.cls = optimizer_class(cfg.optim)
         self.kwargs = optimizer_kwargs(cfg.optim, self.cls)
         self.keys = state_keys(cfg.optim)
@@ -160,7 +166,26 @@ class BlockAdamW:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
     def start_step(self) -> None:
-        self.norms, self.coef = {}, None
+        self.norms, self.coef, self.halted = {}, None, False
+
+    def finite(self, slots: list[Slot]) -> bool:
+        """Whether a block stepped during backward may apply its gradients: they are finite, and so were every
+        earlier block's this step (Note [non-finite steps]). One read of its norms (none on fake tensors)."""
+        norms = [self.norms[s.param] for s in slots]
+        if not self.halted and norms and not is_fake(norms[0]):
+            self.halted = not bool(torch.isfinite(torch.stack(norms)).all())
+        return not self.halted
+
+    def drop_waiting(self) -> None:
+        """The gradients of a step that did not run (skipped: Note [non-finite steps]): their buffers back."""
+        for b in self.blocks:
+            if not b.grad_slots:
+                continue
+            if self.tier is None:
+                self.pool.give(self.grads_in_memory.pop(b.index))
+            else:
+                finish(b.grads_write)  # its buffer returns when the write is done
+            b.grad_slots = []
 
     def wait(self) -> None:
         """Wait for the block step in flight, if any, and for every step's writes; then the blocks stepped
@@ -193,7 +218,7 @@ class BlockAdamW:
         for s in slots:
             s.view(grads).copy_(s.param.grad)
             s.param.grad = None
-        if self.clip_norm > 0:
+        if self.deferred:
             self.stream.release(b)
             self._keep_grads(b, grads)
             b.grad_slots = slots
@@ -227,7 +252,7 @@ class BlockAdamW:
         """Start reading `b`'s optimizer state into pool buffers ahead of its step (Note [offload engine]):
         without clipping, with state on a tier, and only while the pool keeps enough free buffers for a whole
         step (gradients, state) besides."""
-        if (self.tier is None or self.clip_norm > 0 or not self.keys or not b.state_ready or b.done
+        if (self.tier is None or self.deferred or not self.keys or not b.state_ready or b.done
                 or b.state_reads is not None or not b.trainable):
             return
         bufs = self.pool.take_spare(len(self.keys), reserve=2 + len(self.keys))
@@ -313,18 +338,20 @@ class BlockAdamW:
             bufs, pooled = self.states(b, ahead)
             finish(read)  # (None: nothing read)
             self.step_stream.after(ready)
-            gs = [s.view(grads) for s in slots]
-            if coef is not None:
-                for g in gs:
-                    g.mul_(coef)
-            self._update([s.param for s in slots], [s.view(params) for s in slots], gs,
-                         [[s.view(buf) for buf in bufs] for s in slots], hyper)
             writes = []
-            if streaming:
-                writes.append(tier_w.write(b.key(), params[:b.trained]))  # the frozen rest is unchanged
-            if pooled:
-                writes += [self.tier.write(b.key(kind), buf[:b.trained]) for kind, buf in zip("mv", bufs)]
-                b.state_ready = True
+            # During backward, non-finite gradients step nothing from here on (the trainer then stops the run)
+            if self.deferred or self.finite(slots):
+                gs = [s.view(grads) for s in slots]
+                if coef is not None:
+                    for g in gs:
+                        g.mul_(coef)
+                self._update([s.param for s in slots], [s.view(params) for s in slots], gs,
+                             [[s.view(buf) for buf in bufs] for s in slots], hyper)
+                if streaming:
+                    writes.append(tier_w.write(b.key(), params[:b.trained]))  # the frozen rest is unchanged
+                if pooled:
+                    writes += [self.tier.write(b.key(kind), buf[:b.trained]) for kind, buf in zip("mv", bufs)]
+                    b.state_ready = True
             done = self.step_stream.done()
         keep = streaming and b.index == b.group[0]
         if keep:
@@ -350,7 +377,7 @@ class BlockAdamW:
         """The optimizer step of what backward left: every block when clipping, and the resident weights."""
         hyper = self.hyper()
         self.wait()
-        if self.clip_norm > 0:
+        if self.deferred:
             for b in self.blocks:
                 slots = b.grad_slots
                 if not slots:

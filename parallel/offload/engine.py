@@ -27,10 +27,14 @@ params tier; every parameter object stays the same for the whole run, and its
               the block stepped first in the next forward keeps its new weights
               bound (written to its tier all the same), so that forward starts
               without reading it;
+              each block's gradients are checked first: a non-finite one
+              steps neither it nor any later block (Note [non-finite steps]
+              in parallel/nonfinite.py);
             - with clipping, the step needs the global norm first: gradients
               go to the optimizer tier, and `OffloadOptimizer.step` streams
               every block (weights, gradients, state) through the step after
-              backward.
+              backward; so it does under trainer.nonfinite=skip, so that a
+              dropped step leaves every block as it was.
   buffers   come from a pool of `4 x (prefetch + 1) + 2` buffers of the
             largest block's size, so device memory is bounded by block sizes
             and the prefetch depth, not by the model.

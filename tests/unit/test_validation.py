@@ -27,6 +27,9 @@ BAD = [
     ({"trainer__device": "tpu"}, 1, "trainer.device"),
     ({"trainer__precision": "fp8"}, 1, "trainer.precision"),
     ({"trainer__timeout_s": 0.0}, 1, "trainer.timeout_s"),
+    ({"trainer__init_timeout_s": 120.0}, 1, "trainer.init_timeout_s"),  # below trainer.timeout_s (300)
+    ({"trainer__nonfinite": "ignore"}, 1, "trainer.nonfinite"),
+    ({"trainer__nonfinite_limit": 0}, 1, "trainer.nonfinite_limit"),
     ({"trainer__peak_flops": 0.0}, 1, "trainer.peak_flops"),
     ({"trainer__peak_flops": -312e12}, 1, "trainer.peak_flops"),
     ({"trainer__peak_flops": float("inf")}, 1, "trainer.peak_flops"),
