@@ -26,7 +26,7 @@ from omegaconf import DictConfig  # noqa: E402
 from parallel.auto import choose, device_budget, disk_bandwidth, table  # noqa: E402
 from parallel.config import ConfigError, bf16_run, cuda_run, strategy_spec  # noqa: E402
 from parallel.cost import calibration_for, describe, replay_for, step_times  # noqa: E402
-from parallel.entry import reported  # noqa: E402
+from parallel.entry import check_choices, reported  # noqa: E402
 from parallel.memory.budget import budget_bytes  # noqa: E402
 from parallel.pictures.memory import write_memory  # noqa: E402
 from parallel.plan_cuda import BLOCK, LEFT_OUT, cublas_workspace  # noqa: E402
@@ -179,6 +179,7 @@ OPTIONS_GIVEN: dict = {}
 
 
 def _run() -> None:
+    check_choices(sys.argv[1:], Path(__file__).resolve().parents[1] / "conf")  # one line, exit 2
     OPTIONS_GIVEN.update(_take_options(sys.argv))
     main()
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig  # noqa: E402
 from parallel.auto import chart, choose, device_budget, table  # noqa: E402
 from parallel.config import ConfigError, strategy_spec, to_dict  # noqa: E402
 from parallel.dims import check_gpus  # noqa: E402
-from parallel.entry import exit_with, reported  # noqa: E402
+from parallel.entry import check_choices, exit_with, reported  # noqa: E402
 from parallel.launcher import (  # noqa: E402
     check_world_size,
     in_submitit_job,
@@ -85,6 +85,7 @@ def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
 
 
 def _run() -> None:
+    check_choices(sys.argv[1:], Path(__file__).resolve().parents[1] / "conf")  # one line, exit 2
     if under_torchrun():
         # Note [one run directory] (parallel/launcher.py): each torchrun worker runs
         # this script; Hydra must not write a .hydra/ of its own in each of them.

@@ -14,8 +14,10 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import re
 import sys
 import traceback
+from pathlib import Path
 from typing import Callable, NoReturn
 
 from parallel.config import ConfigError, RunError
@@ -25,6 +27,28 @@ from parallel.preemption import PREEMPTED, Preempted
 
 def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
+
+
+# `group=option` on the command line (a sweep's `a,b` too); not `+group=`, `~group`, `group.key=` or a sweep function.
+_CHOICE = re.compile(r"^(?P<group>[a-z_]+)=(?P<options>[\w.,/-]+)$")
+
+
+def check_choices(argv: list[str], conf: Path) -> None:
+    """A config group's option that no config file holds, as a ConfigError naming the valid ones (Hydra's own
+    message says the same in a paragraph, exit status 1): before Hydra composes anything. The groups are conf/'s
+    folders; a `--config-dir DIR` (`-cd`) adds its own options."""
+    dirs = [conf]
+    for flag in ("--config-dir", "-cd"):
+        if flag in argv[:-1]:
+            dirs.append(Path(argv[argv.index(flag) + 1]))
+    for arg in argv:
+        m = _CHOICE.match(arg)
+        if m is None or not any((d / m["group"]).is_dir() for d in dirs):
+            continue
+        valid = sorted({p.stem for d in dirs if (d / m["group"]).is_dir() for p in (d / m["group"]).glob("*.yaml")})
+        for option in m["options"].split(","):
+            if option not in valid:
+                raise ConfigError(f"{m['group']}={option}: no such {m['group']} (valid: {', '.join(valid)})")
 
 
 def reported(main: Callable) -> Callable:

@@ -146,6 +146,25 @@ OTHERS_KEYS = [
 ]
 
 
+MISSPELLED = [
+    (["strategy=pipline"], "config error: strategy=pipline: no such strategy (valid: auto, context, data, expert, "
+                           "hybrid, model, offload, pipeline, single)"),
+    (["-m", "strategy=single,dat"], "config error: strategy=dat: no such strategy (valid: auto, context, data, "),
+    (["model=gtp"], "config error: model=gtp: no such model (valid: cnn, custom, gpt, hf, local, mlp, moe, stacked)"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,line", MISSPELLED, ids=[" ".join(a) for a, _ in MISSPELLED])
+def test_a_misspelled_config_option_is_one_line_exit_2(tmp_path, args, line):
+    """Hydra's own message for a group option no file holds is a paragraph and exit status 1; the project's is
+    one line naming the options, exit 2, as for every configuration error."""
+    proc = cli.run(args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    (only,) = proc.stderr.splitlines()
+    assert only.startswith(line), only
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,line", OTHERS_KEYS, ids=[" ".join(a) for a, _ in OTHERS_KEYS])
 def test_a_key_of_another_strategy_is_one_line_before_any_worker(tmp_path, args, line):
