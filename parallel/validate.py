@@ -8,6 +8,7 @@ ConfigError naming the key, the value, the rule and the options.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -15,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from parallel.batchnorm import check_sync_batchnorm
 from parallel.checkpoint import check_resume
 from parallel.config import (
+    TARGET_GROUPS,
     Config,
     StrategyConfig,
     check_optim,
@@ -61,12 +63,35 @@ def to_config(cfg: DictConfig | dict) -> Config:
     strict = not isinstance(cfg, dict)
     if not strict:
         cfg = OmegaConf.merge(schema(), cfg)
+    else:
+        refuse_appended_keys(cfg)
     cfg.strategy = strategy_config(cfg.strategy, strict)
     move_beside_keys(cfg)  # before the user's dataset is first called (Note [instantiate shape])
     for key, value in read_hints(cfg.data).items():
         cfg.data[key] = value
     composed = OmegaConf.to_object(cfg)
     return Config(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(Config)})
+
+
+def refuse_appended_keys(node: DictConfig, path: str = "") -> None:
+    """A key that Hydra's `+key=value` appended where the schema has none (Hydra opens a node to append to
+    it, whatever its schema): a ConfigError naming it, the closest key and the valid ones. The groups whose
+    `_target_` takes keyword arguments beside it (TARGET_GROUPS) take any key at their top (parallel.targets
+    checks those), their nested settings not; the strategy's keys are its schema's (`strategy_config`)."""
+    cls = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(cls):
+        return
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in node:
+        name = f"{path}.{key}" if path else str(key)
+        if key not in fields and path not in TARGET_GROUPS:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {path + '.' if path else ''}{close[0]}?" if close else ""
+            fail(name, OmegaConf.to_container(node)[key] if OmegaConf.is_config(node[key]) else node[key],
+                 f"no such key{f' of {path}' if path else ''}{hint}", fields)
+        child = node._get_node(key)
+        if name != "strategy" and isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            refuse_appended_keys(child, name)
 
 
 def strategy_config(node: DictConfig, strict: bool = True) -> StrategyConfig:

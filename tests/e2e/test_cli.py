@@ -151,6 +151,11 @@ MISSPELLED = [
                            "hybrid, model, offload, pipeline, single)"),
     (["-m", "strategy=single,dat"], "config error: strategy=dat: no such strategy (valid: auto, context, data, "),
     (["model=gtp"], "config error: model=gtp: no such model (valid: cnn, custom, gpt, hf, local, mlp, moe, stacked)"),
+    # Hydra's own hint after `trainer.step=5`; `+` appends a key whatever the schema, and nothing would read it
+    (["+trainer.step=5"], "config error: trainer.step=5: no such key of trainer; did you mean trainer.steps? (valid: "
+                          "['steps', "),
+    (["+model.lora.rr=2"], "config error: model.lora.rr=2: no such key of model.lora; did you mean model.lora.r? "),
+    (["+foo=1"], "config error: foo=1: no such key (valid: ['strategy', "),
 ]
 
 
@@ -158,7 +163,8 @@ MISSPELLED = [
 @pytest.mark.parametrize("args,line", MISSPELLED, ids=[" ".join(a) for a, _ in MISSPELLED])
 def test_a_misspelled_config_option_is_one_line_exit_2(tmp_path, args, line):
     """Hydra's own message for a group option no file holds is a paragraph and exit status 1; the project's is
-    one line naming the options, exit 2, as for every configuration error."""
+    one line naming the options, exit 2, as for every configuration error; so is a key appended (`+`) where no
+    schema has it."""
     proc = cli.run(args, cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr
     (only,) = proc.stderr.splitlines()
