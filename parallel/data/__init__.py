@@ -9,6 +9,7 @@ from parallel.config import TASKS, DataConfig, fail, positive
 from parallel.data.custom import IterData, MapData, build_custom_eval, check_custom, read_custom_hints
 from parallel.data.shards import ShardData, check_shards
 from parallel.data.shards import read_hints as read_shard_hints
+from parallel.data.shards import vocab_is_bound as shard_vocab_is_bound
 from parallel.data.synthetic import SyntheticData
 
 SOURCES = ("synthetic", "shards", "custom")
@@ -117,6 +118,14 @@ def read_hints(d) -> dict:
     return {}
 
 
+def vocab_is_bound(d: DataConfig) -> bool:
+    """Whether data.vocab_size is only a lower bound on the model's vocabulary (the largest token id + 1 of
+    data=shards written without a tokenizer: Note [vocabulary bound] in parallel/data/shards/manifest.py), so
+    that a wider model's output fits. Synthetic data's (its ids' range) and data=custom's (set, or stated by
+    the dataset) are exact, as is a tokenizer's."""
+    return d.name == "shards" and d.task == "lm" and shard_vocab_is_bound(d.path)
+
+
 def check_data(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
     """The data group's settings (and, for data=shards, the dataset's files; for data=custom, its size and
     evaluation data)."""
@@ -145,4 +154,5 @@ def check_data(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
 
 
 __all__ = ["DataSource", "IterData", "MapData", "ShardData", "SyntheticData", "build_data", "build_eval_data",
-           "check_data", "example_input", "example_target", "has_eval_data", "planned_data", "read_hints"]
+           "check_data", "example_input", "example_target", "has_eval_data", "planned_data", "read_hints",
+           "vocab_is_bound"]

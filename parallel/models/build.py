@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from parallel.config import INITS, Config, ConfigError, ModelConfig, fail, import_target
-from parallel.data import example_input
+from parallel.data import example_input, vocab_is_bound
 from parallel.init import check_initializable
 from parallel.loss import logits_of
 from parallel.models import MODELS
@@ -152,11 +152,28 @@ def check_model_takes_data(cfg: Config):
         out = logits_of(raw)
     except TypeError as e:
         fail("model", cfg.model._target_ or cfg.model.name, str(e))
-    if tuple(out.shape) != shape[d.task]:
+    if d.task == "lm" and vocab_is_bound(d):  # the largest id + 1, not the vocabulary's size
+        _check_vocab_bound(key, value, tuple(out.shape), d.seq_len, d.vocab_size)
+    elif tuple(out.shape) != shape[d.task]:
         need = f"{what} {d.task} targets need {shape[d.task]}"
+        if d.name == "shards" and d.task == "lm":
+            need += " (the vocabulary their tokenizer recorded)"
         if d.name == "custom":
             key, value = "data.target_key", d.target_key
             need = f"the samples' {d.task} target (field {d.target_key!r}, of shape " \
                    f"{tuple(d.spec['target']['shape'])}) needs {shape[d.task]}"
         fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {need}")
     return raw
+
+
+def _check_vocab_bound(key: str, value, got: tuple, seq_len: int, bound: int) -> None:
+    """The model's outputs for 2 samples of shards whose vocabulary is a lower bound `bound` (their largest
+    token id + 1: Note [vocabulary bound] in parallel/data/shards/manifest.py) are (2, seq_len, V) with V above
+    the largest id: a pretrained model's vocabulary may hold far more tokens than the data uses."""
+    fits = len(got) == 3 and got[:2] == (2, seq_len)
+    if fits and got[2] >= bound:
+        return
+    rule = f"the shards' lm targets hold token ids up to {bound - 1}, at or above its output size {got[2]}" if fits \
+        else f"the shards' lm targets need (2, {seq_len}, V) with V above their largest token id {bound - 1}"
+    fail(key, value, f"the model gives outputs of shape {got} for 2 samples; {rule}",
+         f"outputs of shape (2, {seq_len}, V) with V >= {bound}")

@@ -122,3 +122,34 @@ def test_make_shards_bad_input(tmp_path):
                           (["size=3"], "'size=3': expected key=value")):
         proc = cli.run_script(MAKE, args, cwd=tmp_path, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+
+
+@pytest.mark.timeout(240)
+def test_token_arrays_spanning_part_of_a_pretrained_vocabulary_train(tmp_path):
+    """The issue's case from the command line: make_shards.py of token arrays with ids 1000..2999 and a pretrained
+    BERT of 30,522 tokens (model=hf) train (Note [vocabulary bound] in parallel/data/shards/manifest.py); a model
+    whose outputs stop at the largest id is one line and exit status 2."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    stream = np.random.default_rng(0).integers(1000, 3000, 256 * 16 + 1)
+    stream[0] = 2999
+    np.save(tmp_path / "x.npy", stream[:-1].reshape(256, 16))
+    np.save(tmp_path / "y.npy", stream[1:].reshape(256, 16))
+    proc = cli.run_script(MAKE, ["features=x.npy", "targets=y.npy", "out=data"], cwd=tmp_path)
+    assert proc.returncode == 0 and "'vocab_size': 3000" in proc.stdout, proc.stderr[-2000:]
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=16)).save_pretrained(tmp_path / "bert")
+    data = ["data=shards", f"data.path={tmp_path / 'data'}", "trainer.batch_size=16"]
+    cli.run(cli.FAST + data + ["model=hf", f"model.path={tmp_path / 'bert'}", f"run_dir={tmp_path / 'run'}"],
+            cwd=tmp_path, timeout=200)
+    losses = cli.losses(tmp_path / "run")
+    assert len(losses) == 6 and torch.isfinite(losses).all() and losses[-1] < losses[0], losses
+    proc = cli.run(data + ["model=gpt", "model.args.vocab_size=2999", f"run_dir={tmp_path / 'refused'}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("config error:"))
+    assert line == (f"config error: data.path='{tmp_path / 'data'}': the model gives outputs of shape (2, 16, 2999) "
+                    f"for 2 samples; the shards' lm targets hold token ids up to 2999, at or above its output size "
+                    f"2999 (valid: outputs of shape (2, 16, V) with V >= 3000)"), proc.stderr

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from parallel.config import ConfigError, DataConfig
-from parallel.data.shards import Manifest, ShardData, ShardError, ShardWriter, write_shards
+from parallel.data.shards import Manifest, ShardData, ShardError, ShardWriter, vocab_is_bound, write_shards
+from parallel.validate import to_config, validate
+from tests.cli import ROOT
 
 N, F, T = 1000, 6, 2
 
@@ -177,3 +179,91 @@ def test_npy_rows_reads_chunks_into_one_buffer(tmp_path, array):
     (tmp_path / "a.npy").write_bytes((tmp_path / "a.npy").read_bytes()[:-9])
     with pytest.raises(ConfigError, match="a.npy.*truncated"):
         NpyRows(tmp_path / "a.npy").rows(0, len(array))
+
+
+# The vocabulary bound (Note [vocabulary bound] in parallel/data/shards/manifest.py): token ids 1000..2999, as the
+# issue's fine-tuning set, 16 per sample.
+L, LOW, TOP = 16, 1000, 2999
+
+
+def train_config(path, *overrides):
+    """The validated config of `python launch/train.py data=shards data.path=path *overrides`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = to_config(compose(config_name="config", overrides=["data=shards", f"data.path={path}", *overrides]))
+    validate(cfg, 1)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def token_shards(tmp_path_factory):
+    """Shards as launch/make_shards.py writes them from token arrays (features: N x L ids, targets: the next ids),
+    the ids spanning LOW..TOP only."""
+    stream = np.random.default_rng(0).integers(LOW, TOP + 1, 64 * L + 1)
+    stream[3], stream[7] = LOW, TOP
+    out = tmp_path_factory.mktemp("tokens") / "data"
+    with ShardWriter(out) as w:
+        w.add_arrays({"features": stream[:-1].reshape(64, L), "targets": stream[1:].reshape(64, L)})
+    return out
+
+
+def test_token_ids_spanning_part_of_a_pretrained_vocabulary_fit_its_model(token_shards, tmp_path):
+    """The issue's case: a pretrained BERT of 30,522 tokens (model=hf) on ids 1000..2999, whose largest id + 1
+    (3000) the manifest records as a bound; a built-in sized by the data (model=gpt: data.vocab_size) fits too."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    m = Manifest.load(token_shards)
+    assert m.record["hints"] == {"task": "lm", "seq_len": L, "vocab_size": TOP + 1} and m.record["stated"] == []
+    assert vocab_is_bound(token_shards)
+    BertForMaskedLM(BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32, max_position_embeddings=L)).save_pretrained(tmp_path / "bert")
+    cfg = train_config(token_shards, "model=hf", f"model.path={tmp_path / 'bert'}", "trainer.batch_size=8")
+    assert (cfg.data.task, cfg.data.vocab_size) == ("lm", TOP + 1)
+    train_config(token_shards, "model=gpt")
+    train_config(token_shards, "model=gpt", "model.args.vocab_size=3000")  # the bound itself: ids up to 2999
+
+
+@pytest.mark.parametrize("vocab", [TOP, LOW])
+def test_a_token_id_at_or_above_the_models_output_size_is_refused_in_one_line(token_shards, vocab):
+    with pytest.raises(ConfigError) as info:
+        train_config(token_shards, "model=gpt", f"model.args.vocab_size={vocab}")
+    assert str(info.value) == (
+        f"data.path={str(token_shards)!r}: the model gives outputs of shape (2, {L}, {vocab}) for 2 samples; the "
+        f"shards' lm targets hold token ids up to {TOP}, at or above its output size {vocab} (valid: outputs of "
+        f"shape (2, {L}, V) with V >= {TOP + 1})")
+
+
+def test_a_manifest_without_stated_sizes_reads_its_vocabulary_as_a_bound(token_shards, tmp_path):
+    """Manifests written before `stated` was recorded: their vocab_size is read as a bound."""
+    import shutil
+
+    shutil.copytree(token_shards, tmp_path / "old")
+    record = json.loads((tmp_path / "old" / "manifest.json").read_text())
+    del record["stated"]
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(record))
+    assert vocab_is_bound(tmp_path / "old")
+    train_config(tmp_path / "old", "model=gpt", "model.args.vocab_size=4096")
+
+
+def test_a_vocabulary_a_tokenizer_recorded_is_checked_exactly(tmp_path):
+    """make_shards text=: the manifest states the tokenizer's vocabulary; a model of another size (a larger one
+    too: trained with another tokenizer) is refused in one line naming both."""
+    from parallel.data.shards import load_tokenizer, text_files, write_text_shards
+    from tests import text_corpus
+
+    text_corpus.write_corpus(tmp_path / "corpus", files=4, docs_per_file=3)
+    tok = load_tokenizer(str(text_corpus.wordlevel(tmp_path / "tokenizer.json")))
+    write_text_shards(text_files(str(tmp_path / "corpus")), tok, str(tmp_path / "data"), seq_len=8,
+                      eos=tok.token_id("<|endoftext|>"), progress=False)
+    assert Manifest.load(tmp_path / "data").record["stated"] == ["vocab_size"]
+    assert not vocab_is_bound(tmp_path / "data")
+    train_config(tmp_path / "data", "model=gpt", "trainer.batch_size=4")  # sized by data.vocab_size: the tokenizer's
+    for vocab in (tok.vocab_size - 1, tok.vocab_size + 1, 4 * tok.vocab_size):
+        with pytest.raises(ConfigError) as info:
+            train_config(tmp_path / "data", "model=gpt", f"model.args.vocab_size={vocab}", "trainer.batch_size=4")
+        assert str(info.value) == (
+            f"data.path={str(tmp_path / 'data')!r}: the model gives outputs of shape (2, 8, {vocab}) for 2 samples; "
+            f"the shards' lm targets need (2, 8, {tok.vocab_size}) (the vocabulary their tokenizer recorded)")

@@ -4,7 +4,8 @@
 A dataset is a directory:
 
     manifest.json      format, fields (name, dtype, shape), record size, sample
-                       count, task hints, and the index: one row per shard
+                       count, task hints (and which were `stated`: Note
+                       [vocabulary bound]), and the index: one row per shard
                        (file, first sample, count, bytes, crc32)
     shard-00000.bin    fixed-size records, back to back, no header
     shard-00001.bin    ...
@@ -24,6 +25,18 @@ Samples have the fields `features` and `targets`, or one field `tokens`: a
 language model's window of seq_len + 1 token ids, whose first seq_len are the
 inputs and last seq_len the targets (text.py: Note [packing text]), so a token
 is stored once and not twice.
+
+# Note [vocabulary bound]
+The manifest's task sizes are read from the samples, except those the writer
+was told (`stated`: a tokenizer's `vocab_size`, launch/make_shards.py text=).
+A vocabulary read from the samples is their largest token id + 1: a lower
+bound on the model's vocabulary, never its size (a fine-tuning set rarely uses
+every token of a pretrained model's 30k or 50k). So the check before training
+(check_model_takes_data in parallel/models/build.py) takes a model whose output
+size is above the largest id; a vocabulary a tokenizer recorded is the model's
+size, and is checked exactly (a model of another vocabulary was trained with
+another tokenizer). Manifests written before `stated` was recorded are read as
+bounds.
 """
 from __future__ import annotations
 
@@ -87,6 +100,11 @@ class Manifest:
         """Samples are windows of `tokens` (inputs and shifted targets in one field; Note [shard format])."""
         return any(f["name"] == "tokens" for f in self.fields)
 
+    def stated(self, key: str) -> bool:
+        """Whether the hint `key` is a size the writer was told (a tokenizer's `vocab_size`), not one read from
+        the samples (Note [vocabulary bound])."""
+        return key in self.record.get("stated", ())
+
     def field(self, name: str) -> dict:
         for f in self.fields:
             if f["name"] == name:
@@ -140,6 +158,12 @@ def read_hints(path: str | os.PathLike) -> dict:
     if not hints:
         fail("data.path", str(path), "the manifest names no task for its features and targets")
     return hints
+
+
+def vocab_is_bound(path: str | os.PathLike) -> bool:
+    """Whether the dataset's `vocab_size` is only its largest token id + 1, not a size a tokenizer recorded
+    (Note [vocabulary bound])."""
+    return not Manifest.load(path).stated("vocab_size")
 
 
 def check_shards(d: DataConfig) -> None:

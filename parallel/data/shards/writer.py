@@ -41,7 +41,8 @@ class ShardWriter:
         shard_size: samples per shard, or a size with a unit ("256MB") from which that count follows.
         chunk_bytes: how much is gathered in memory before it is written.
         hints: task sizes the samples cannot show, over those inferred (a tokenizer's `vocab_size`, which
-            may exceed the largest token written); checked against the data at `close()`.
+            may exceed the largest token written); checked against the data at `close()` and recorded as
+            `stated` (exact sizes; an inferred vocabulary is a lower bound: Note [vocabulary bound]).
     """
 
     def __init__(self, out: str | os.PathLike, shard_size: int | str = DEFAULT_SHARD_BYTES,
@@ -167,7 +168,7 @@ class ShardWriter:
             hints[key] = value
         record = {"format": FORMAT, "version": VERSION, "fields": list(self.fields.values()),
                   "record_bytes": self.dtype.itemsize, "count": self.count, "shard_size": self.rows_per_shard,
-                  "hints": hints, "shards": self.shards}
+                  "hints": hints, "stated": sorted(self.hints), "shards": self.shards}
         tmp = self.out / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, self.out / MANIFEST)
