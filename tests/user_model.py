@@ -312,3 +312,14 @@ class TimeoutProbe(nn.Linear):
 
 def timeout_probe(features: int = 32, out: int = 4) -> nn.Module:
     return TimeoutProbe(features, out)
+
+
+class NeedsAMask(nn.Linear):
+    """A forward with a second required argument, which a batch (one input tensor) cannot fill."""
+
+    def forward(self, x, mask):
+        return super().forward(x) * mask
+
+
+def needs_a_mask(features: int = 32, out: int = 4) -> nn.Module:
+    return NeedsAMask(features, out)

@@ -140,8 +140,10 @@ def check_model_takes_data(cfg: Config):
         key, value, what = "data.input_key", d.input_key, f"the dataset's {d.task}"
         shape["regression"] = (2, *d.spec["target"]["shape"])
     (x,) = example_input(d)
+    model = build_meta_model(cfg.model)
+    _check_forward_takes_a_batch(cfg.model, model)
     try:
-        raw = meta_forward(build_meta_model(cfg.model), x)
+        raw = meta_forward(model, x)
     except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
         if cfg.model._target_ and d.name != "shards":
             return None  # a user's model may do what fake tensors cannot (read a value): its first step will tell
@@ -164,6 +166,22 @@ def check_model_takes_data(cfg: Config):
                    f"{tuple(d.spec['target']['shape'])}) needs {shape[d.task]}"
         fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {need}")
     return raw
+
+
+def _check_forward_takes_a_batch(m: ModelConfig, model: nn.Module) -> None:
+    """A forward with required arguments besides the batch's input (a model is called as `model(x)`): one line
+    before any worker, not a TypeError at its first step (a fake-tensor run of a user's model may fail for
+    other reasons, so this does not wait for one)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: nothing to read
+        return
+    try:
+        sig.bind(None)
+    except TypeError as e:
+        fail("model._target_" if m._target_ else "model", m._target_ or m.name,
+             f"its forward{sig} takes arguments a batch cannot fill ({e}): each step calls model(inputs), the "
+             f"data's input tensor alone", ["a forward whose other arguments have defaults", "a wrapper model"])
 
 
 def _check_vocab_bound(key: str, value, got: tuple, seq_len: int, bound: int) -> None:

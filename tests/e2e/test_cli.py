@@ -146,7 +146,7 @@ OTHERS_KEYS = [
 ]
 
 
-MISSPELLED = [
+USER_MISTAKES = [
     (["strategy=pipline"], "config error: strategy=pipline: no such strategy (valid: auto, context, data, expert, "
                            "hybrid, model, offload, pipeline, single)"),
     (["-m", "strategy=single,dat"], "config error: strategy=dat: no such strategy (valid: auto, context, data, "),
@@ -156,12 +156,16 @@ MISSPELLED = [
                           "['steps', "),
     (["+model.lora.rr=2"], "config error: model.lora.rr=2: no such key of model.lora; did you mean model.lora.r? "),
     (["+foo=1"], "config error: foo=1: no such key (valid: ['strategy', "),
+    # a forward the batch cannot fill fails before the first step, not with a TypeError in it
+    (["model=custom", "model._target_=tests.user_model.needs_a_mask"],
+     "config error: model._target_='tests.user_model.needs_a_mask': its forward(x, mask) takes arguments a batch "
+     "cannot fill (missing a required argument: 'mask')"),
 ]
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args,line", MISSPELLED, ids=[" ".join(a) for a, _ in MISSPELLED])
-def test_a_misspelled_config_option_is_one_line_exit_2(tmp_path, args, line):
+@pytest.mark.parametrize("args,line", USER_MISTAKES, ids=[" ".join(a) for a, _ in USER_MISTAKES])
+def test_a_user_mistake_is_one_line_exit_2_before_any_worker(tmp_path, args, line):
     """Hydra's own message for a group option no file holds is a paragraph and exit status 1; the project's is
     one line naming the options, exit 2, as for every configuration error; so is a key appended (`+`) where no
     schema has it."""
