@@ -47,7 +47,7 @@ from parallel.hardware import worker_threads
 from parallel.memory.host import steady_host_allocations
 from parallel.memory.oom import OUT_OF_MEMORY, OutOfMemory
 from parallel.metrics import log, setup_logging
-from parallel.nonfinite import NON_FINITE, NonFinite
+from parallel.nonfinite import NON_FINITE, AgreedStop
 from parallel.trainer import run_training
 
 
@@ -307,7 +307,7 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
                 log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
             _warn_shared_store()
             run_training(cfg, run_dir, device)
-    except NonFinite as e:  # Note [non-finite steps]: one line, printed before any rank may end
+    except AgreedStop as e:  # a non-finite step (Note [non-finite steps]), ...: one line, before any rank ends
         if e.says:
             print(f"error: {e}", file=sys.stderr, flush=True)
         _close_group(drain=e.agreed)

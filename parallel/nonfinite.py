@@ -58,8 +58,8 @@ from parallel.metrics import gather_floats, log
 NON_FINITE = 4
 
 
-class NonFinite(RunError):
-    """A step's loss or gradient norm was not finite (Note [non-finite steps]); the message is the run's one line.
+class AgreedStop(RunError):
+    """A check of the step stopped the run; the message is the run's one line (parallel/launcher.py prints it).
 
     Args:
         says: this rank prints the line (rank 0 when every rank stopped at the step; else the rank that saw it).
@@ -69,6 +69,10 @@ class NonFinite(RunError):
     def __init__(self, message: str, says: bool, agreed: bool):
         super().__init__(message)
         self.says, self.agreed = says, agreed
+
+
+class NonFinite(AgreedStop):
+    """A step's loss or gradient norm was not finite (Note [non-finite steps])."""
 
 
 class Guard:

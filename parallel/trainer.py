@@ -30,13 +30,14 @@ from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, 
 from parallel.models import weights
 from parallel.models.build import build_meta_model
 from parallel.models.moe_stats import moe_record
-from parallel.nonfinite import Guard, NonFinite
+from parallel.nonfinite import AgreedStop, Guard
 from parallel.optim import all_sum, build_optimizer, param_names
 from parallel.profiling import Profiling, phase
 from parallel.runtime import Runtime
 from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
 from parallel.strategies.compile import CompileClock, compiling
+from parallel.strategies.tensor.whole import describe, unequal_gradients
 from parallel.tensors import local_bytes
 from parallel.throughput import Throughput, postfix, text
 
@@ -58,6 +59,7 @@ class Run:
     rng_seed: int = 0  # this rank's stream of random numbers (Note [random numbers] in parallel/seeding.py)
     eval_data: DataSource | None = None  # with trainer.eval_every (Note [evaluation] in parallel/evaluation.py)
     compile_clock: CompileClock | None = None  # with trainer.compile (Note [regional compilation])
+    tp_group: object = None  # tp > 1: checked at the first step (Note [weights left whole]), then None
 
     def canonical(self) -> dict[str, str]:
         """Every parameter name -> the name its optimizer state is saved under (a tied weight's first)."""
@@ -110,8 +112,10 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     eval_data = build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size) \
         if cfg.trainer.eval_every else None
     clock = CompileClock() if compiling(cfg, runtime) else None  # blocks compile at the first step, not here
+    tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
-               rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock, ahead=looks_ahead(engine))
+               rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock, ahead=looks_ahead(engine),
+               tp_group=tp_group)
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
@@ -171,7 +175,9 @@ def train_step(run: Run, step: int, guard: Guard | None = None) -> tuple[torch.T
     Returns (this rank's mean loss, global grad norm, data time, the guard's verdict); the loss is
     averaged over data-parallel ranks only when it is logged, to keep a collective out of every step. The
     guard (Note [non-finite steps] in parallel/nonfinite.py) sees the loss and the norm before the optimizer
-    does: True, the step applies; False, it is dropped; a NonFinite, the run stops (nothing applied).
+    does: True, the step applies; False, it is dropped; an AgreedStop (so at the first step under tensor
+    parallelism, weights left whole whose gradients differ: Note [weights left whole]), the run stops with
+    nothing applied.
     """
     t0 = time.perf_counter()
     with phase("data"):  # the phases a profile names (Note [profiles] in parallel/profiling.py)
@@ -179,9 +185,12 @@ def train_step(run: Run, step: int, guard: Guard | None = None) -> tuple[torch.T
     data_time = time.perf_counter() - t0
     with phase("forward_backward"):
         loss = run.engine.forward_backward(x, y)
+    # Before clipping: a weight left whole with a different gradient on each tp rank would clip each rank by
+    # its own norm (Note [weights left whole]).
+    differ = whole_weights_differ(run)
     with phase("clip"):
         norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)
-    verdict = True if guard is None else guard.check(step, loss, norm)
+    verdict = differ or (True if guard is None else guard.check(step, loss, norm))
     with phase("optimizer_step"):
         if verdict is True:
             run.optimizer.step()
@@ -217,7 +226,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
         t0 = time.perf_counter()
         with profiling.step(step), memory.watch(run.engine, run.optimizer) if watched else contextlib.nullcontext():
             loss, norm, data_time, verdict = train_step(run, step, guard)
-        if isinstance(verdict, NonFinite):  # before this step's log line and checkpoint
+        if isinstance(verdict, AgreedStop):  # before this step's log line and checkpoint
             stop = verdict
             break
         if run.device.type == "cuda":
@@ -246,6 +255,18 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     if stop:
         raise stop
     return losses
+
+
+def whole_weights_differ(run: Run) -> AgreedStop | None:
+    """At the first step under tensor parallelism (every rank of the tp group calls it): weights left whole
+    whose gradients differ between its ranks stop the run (Note [weights left whole]); None otherwise."""
+    group, run.tp_group = run.tp_group, None  # checked once
+    if group is None:
+        return None
+    unequal = unequal_gradients(run.engine.state_modules(), group)
+    if not unequal:
+        return None
+    return AgreedStop(describe(unequal, dist.get_world_size(group)), says=dist.get_rank() == 0, agreed=True)
 
 
 def first_step_done(run: Run) -> None:

@@ -323,3 +323,24 @@ class NeedsAMask(nn.Linear):
 
 def needs_a_mask(features: int = 32, out: int = 4) -> nn.Module:
     return NeedsAMask(features, out)
+
+
+class HeadNorm(nn.Module):
+    """A projection, a norm over each head's features (one weight for every head, as Qwen3's q_norm), an output
+    projection: under tensor parallelism with `q` colwise each rank's norm sees its own heads alone."""
+
+    def __init__(self, features: int = 32, heads: int = 4, out: int = 4):
+        super().__init__()
+        self.head_dim = features // heads
+        self.q = nn.Linear(features, features)
+        self.norm = nn.RMSNorm(self.head_dim)
+        self.o = nn.Linear(features, out)
+
+    def forward(self, x):
+        q = self.q(x)
+        q = self.norm(q.view(*q.shape[:-1], -1, self.head_dim)).flatten(-2)
+        return self.o(q)
+
+
+def head_norm(features: int = 32, heads: int = 4, out: int = 4) -> nn.Module:
+    return HeadNorm(features, heads, out)

@@ -188,6 +188,7 @@ HF_STYLES = {
     "embedding_rowwise": "rowwise",            # an Embedding's rows (the vocabulary) split, lookups summed
     "embedding_colwise": "colwise_gather",     # an Embedding's features split, output gathered whole
     "replicate": "replicate",
+    "replicated_with_grad_allreduce": "replicate_grads",  # whole, its gradient summed over the tp ranks
 }
 
 

@@ -1,7 +1,7 @@
 """strategy=model (tensor parallelism) and strategy=hybrid (dp x tp) on Hugging Face models train exactly as
 the user's own plain PyTorch loop (tests.hf_models.plain_loop): Llama by its own plan (grouped-query
-attention, a vocabulary-split embedding), GPT-2 by an inferred plan over its Conv1D layers, BERT by an
-inferred plan, each on 2 ranks; Llama on dp2 x tp2."""
+attention, a vocabulary-split embedding), Qwen3 by its own plan (its per-head norms' gradients summed), GPT-2
+by an inferred plan over its Conv1D layers, BERT by an inferred plan, each on 2 ranks; Llama on dp2 x tp2."""
 import pytest
 
 from tests import cli
@@ -26,6 +26,16 @@ def test_llama_own_plan_from_a_directory_trains_as_from_pretrained(tmp_path, hf_
     proc = cli.run(run + [f"run_dir={tmp_path}"], cwd=tmp_path)
     assert "own (Hugging Face) tensor-parallel plan" in proc.stdout + proc.stderr
     assert_as_plain(tmp_path, "llama", pretrained=hf_dirs["llama"])
+
+
+@pytest.mark.timeout(180)
+def test_qwen3_own_plan_trains_as_the_users_own_loop(tmp_path):
+    """Qwen3's own plan: q_norm and k_norm, applied to each rank's own heads, whole with their gradients summed
+    over the ranks (replicated_with_grad_allreduce, here replicate_grads); the first step's check of the weights
+    left whole passes, and every weight, the norms' included, ends as the plain loop's."""
+    proc = cli.run(args("qwen3") + TP2 + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    assert "q_norm:replicate_grads" in proc.stdout + proc.stderr
+    assert_as_plain(tmp_path, "qwen3")
 
 
 @pytest.mark.timeout(240)

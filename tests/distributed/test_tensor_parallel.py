@@ -11,6 +11,9 @@ CASES = {
     "user_plan": ["model=custom", "model._target_=tests.user_model.feed_forwards",
                   "strategy.tp_plan=[pairs.*.up:colwise,pairs.*.down:rowwise]"],
     "user_inferred_plan": ["model=custom", "model._target_=tests.user_model.feed_forwards"],
+    # A norm over each head's features after a colwise q, whole with its gradient summed (Note [weights left whole])
+    "head_norm_summed": ["model=custom", "model._target_=tests.user_model.head_norm",
+                         "strategy.tp_plan=[q:colwise,norm:replicate_grads,o:rowwise]"],
 }
 TP_ONLY = ("tp_plan", "sequence_parallel")
 
@@ -39,3 +42,20 @@ def check_throughput(run_dir, ref_dir, tokens_per_step: int) -> None:
                                                          rel=1e-12)
             assert 0 < r["mfu"] <= 1
     assert cli.metrics(run_dir)[-1]["flops_per_step"] == cli.metrics(ref_dir)[-1]["flops_per_step"]
+
+
+@pytest.mark.timeout(120)
+def test_a_weight_left_whole_on_sharded_activations_stops_the_first_step(tmp_path):
+    """The same plan without replicate_grads: the norm, left whole, sees each rank's own heads, so each rank holds
+    part of its gradient; the first step stops the run in one line naming it, before any weight moves (Note
+    [weights left whole]). The loss would match single's to 1e-5 and the norm's weight drift in silence."""
+    proc = cli.run(cli.FAST + ["model=custom", "model._target_=tests.user_model.head_norm", "nproc=2",
+                               "strategy=model", "strategy.tp_plan=[q:colwise,o:rowwise]", f"run_dir={tmp_path}"],
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: tensor parallelism: 1 weight(s) left whole get different gradients on the 2 "
+                           "ranks of their tp group at the first step"), line
+    assert "relative): norm.weight; each" in line and "'norm:replicate_grads'" in line, line
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "final_model.pt").exists() and not cli.metrics(tmp_path)

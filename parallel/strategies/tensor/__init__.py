@@ -25,6 +25,8 @@ Style names (parallel.strategies.tensor.styles):
                     layer's output positions split over the ranks; input
                     replicated, output gathered (whole).
     replicate       leave the module whole on every rank.
+    replicate_grads the module whole on every rank, its gradients summed over them (Hugging Face's
+                    replicated_with_grad_allreduce: a norm applied to each rank's own heads).
 Sequence parallelism (`strategy.sequence_parallel=true`) adds styles that move
 activations between sequence shards (dimension 1) and whole tensors:
     seq_split       the module's input is cut into this rank's sequence shard.

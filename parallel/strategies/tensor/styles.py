@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -19,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from parallel.layers import LocallyConnected1d, LocallyConnected2d, PositionwiseParallel
 
@@ -30,6 +32,7 @@ STYLES = {
     "rowwise_split": lambda: RowwiseParallel(input_layouts=Replicate()),
     "sequence": lambda: SequenceParallel(),
     "replicate": None,
+    "replicate_grads": lambda: SumGradients(),
     "positions": lambda: PositionwiseParallel(),
     "seq_split": lambda: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(SEQ,),
                                             use_local_output=True),
@@ -41,6 +44,35 @@ STYLES = {
 SHARDS_OUTPUT = ("colwise", "colwise_gather", "colwise_seq_gather")
 SHARDS_INPUT = ("rowwise", "rowwise_split", "rowwise_seq")
 KEEPS_OUTPUT_SHARDED = ("colwise",)  # the next layer sees this rank's slice of the features (of the heads)
+
+
+class SumGradients(ParallelStyle):
+    """The module's weights whole on every tp rank, their gradients summed over the tp group: for a weight applied
+    to each rank's own piece of the activations (a per-head norm after a colwise projection, Qwen3's q_norm and
+    k_norm), whose rank sees part of its gradient (Note [weights left whole] in
+    parallel/strategies/tensor/whole.py). Hugging Face's `replicated_with_grad_allreduce`."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        group = device_mesh.get_group()
+
+        def summed(grad):
+            grad = grad.clone()  # autograd's own buffer may be shared with another gradient
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+            return grad
+
+        # The parameters a forward meets: those made when the model was materialized after this style ran (on
+        # meta), or loaded since; each takes the hook once, on the gradient of every micro-step before it
+        # accumulates (a hook after accumulation would sum an accumulated gradient again).
+        hooked: set[int] = set()
+
+        def before_forward(mod, args):
+            for p in mod.parameters():
+                if p.requires_grad and id(p) not in hooked:
+                    hooked.add(id(p))
+                    p.register_hook(summed)
+
+        module.register_forward_pre_hook(before_forward)
+        return module
 
 
 def is_conv1d(module: nn.Module) -> bool:
