@@ -32,7 +32,13 @@ stops where the holes fit: a process allocating and freeing two 40 MB tensors a 
 8 rounds in one run, to 426 MB in another, for 80 MB in use. Such a process keeps the most its heap ever held
 until it exits. A worker that computes on a GPU does not: its host blocks are copies the step does not repeat
 (checkpoints, an export's full weights), which would then stay. Offload sets its own later
-(parallel/offload/engine.py: memory it moved out must leave the process). A process that times a plan's op calls
+(parallel/offload/engine.py: memory it moved out must leave the process), and then gives back what the heap
+already holds free (`trim_host_heap`): new thresholds only decide what happens to blocks freed after them, and
+until offload takes over its worker keeps what it frees, above all the whole model rank 0 builds under
+model.init=module to write its initial weights (parallel/models/weights.py). Kept, those 512 MiB of a 134M MLP
+(hidden 2896, depth 16) stayed beside the pages of that file as offload read it back a block at a time: a peak
+of 1,350 MiB against single's 2,504 (0.54x), 869 MiB (0.35x: the model built once) trimmed
+(tests/distributed/test_offload.py, the peak RSS against single's). A process that times a plan's op calls
 (parallel.cost's replay, and launch/calibrate.py's measuring processes) sets the same first, so that it times them
 as a worker makes them (parallel/replay.py: `_touch_heap`).
 """
@@ -60,6 +66,18 @@ def set_mmap_threshold(nbytes: int, trim: int | None = None, mapped: bool = True
     if trim is not None:
         ok = bool(libc.mallopt(M_TRIM_THRESHOLD, trim)) and ok
     return bool(libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX if mapped else 0)) and ok
+
+
+def trim_host_heap() -> bool:
+    """Give the system back every whole free page the heap holds (glibc's malloc_trim: the free chunks inside
+    the heap too, not only its top); False where there is no glibc."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))
 
 
 def steady_host_allocations(keep_large: bool = False) -> bool:

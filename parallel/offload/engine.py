@@ -73,7 +73,7 @@ from parallel.data import example_input
 from parallel.engine import Engine, LooksAhead, OwnOptimizer, autocast, evaluating
 from parallel.init import InitPlan
 from parallel.loss import Loss, build_loss
-from parallel.memory.host import set_mmap_threshold
+from parallel.memory.host import set_mmap_threshold, trim_host_heap
 from parallel.metrics import log
 from parallel.offload.activations import ActivationStore
 from parallel.offload.adamw import BlockAdamW, OffloadOptimizer, state_keys
@@ -89,15 +89,18 @@ from parallel.runtime import Runtime
 
 
 def _return_freed_memory() -> None:
-    """Have glibc give large freed blocks back to the system at once (Linux only).
+    """Have glibc give large freed blocks back to the system at once (Linux only), and what it already holds free.
 
     glibc raises its mmap threshold after the first large free, and every worker fixes it high, one that
     computes on the CPU taking every block from the heap (Note [host allocations] in parallel/memory/host.py),
     so tensors of that size come from the heap, where freed space stays in the process: the activations that
     went to disk would still count against the process's memory. A fixed 1 MiB threshold, blocks above it
-    mappings of their own again, keeps large tensors in their own mappings, returned when freed.
+    mappings of their own again, keeps large tensors in their own mappings, returned when freed. What the
+    worker freed before this point stays in its heap whatever the thresholds now (under model.init=module, the
+    whole model built to write the initial weights): the heap is trimmed (Note [host allocations]).
     """
     set_mmap_threshold(1 << 20, 128 << 10)  # the trim threshold back at glibc's default too
+    trim_host_heap()  # Note [host allocations]: what was freed before, the whole model under model.init=module
 
 
 class OffloadIO:

@@ -55,3 +55,29 @@ def test_a_cpu_workers_blocks_above_32_mib_stay_in_the_process_and_offload_retur
     assert faults("steady", 1, 10_000_000) > 20 * 8_000
     assert faults("cpu", 1, 10_000_000, warm=20) < 20
     assert faults("offload", 1, 10_000_000) > 20 * 8_000
+
+
+# A fresh process under a CPU worker's setting frees a 200 MB tensor that a small one allocated after it keeps
+# inside the heap; prints its resident memory (VmRSS, kB) then, and after what the offload engine sets.
+KEPT = """
+import torch
+from parallel.memory.host import steady_host_allocations
+from parallel.offload.engine import _return_freed_memory
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+assert steady_host_allocations(keep_large=True)
+big = torch.ones(50_000_000)
+pin = torch.ones(1_000)
+del big
+kept = rss()
+_return_freed_memory()
+print(kept, rss())
+"""
+
+
+@LINUX
+def test_offload_gives_back_what_a_cpu_worker_freed_before_it():
+    # Note [host allocations]: the whole model rank 0 builds under model.init=module is freed before the engine.
+    out = subprocess.run([sys.executable, "-c", KEPT], capture_output=True, text=True, check=True)
+    kept, after = (int(v) for v in out.stdout.split())
+    assert kept - after > 150_000, (kept, after)
