@@ -344,3 +344,31 @@ class HeadNorm(nn.Module):
 
 def head_norm(features: int = 32, heads: int = 4, out: int = 4) -> nn.Module:
     return HeadNorm(features, heads, out)
+
+
+class SwiGLUBlock(nn.Module):
+    """The MLP of most current language models: w2(silu(w1(x)) * w3(x)), with a residual."""
+
+    def __init__(self, features: int, hidden: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(features, hidden, bias=False), nn.Linear(features, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, features, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, features: int = 32, hidden: int = 64, out: int = 4, depth: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(SwiGLUBlock(features, hidden) for _ in range(depth))
+        self.head = nn.Linear(features, out)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def swiglu(features: int = 32, hidden: int = 64, out: int = 4, depth: int = 2) -> nn.Module:
+    return SwiGLU(features, hidden, out, depth)

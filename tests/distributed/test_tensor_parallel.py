@@ -11,6 +11,8 @@ CASES = {
     "user_plan": ["model=custom", "model._target_=tests.user_model.feed_forwards",
                   "strategy.tp_plan=[pairs.*.up:colwise,pairs.*.down:rowwise]"],
     "user_inferred_plan": ["model=custom", "model._target_=tests.user_model.feed_forwards"],
+    # SwiGLU's gate and up both colwise, down rowwise (an inferred plan)
+    "swiglu_inferred": ["model=custom", "model._target_=tests.user_model.swiglu"],
     # A norm over each head's features after a colwise q, whole with its gradient summed (Note [weights left whole])
     "head_norm_summed": ["model=custom", "model._target_=tests.user_model.head_norm",
                          "strategy.tp_plan=[q:colwise,norm:replicate_grads,o:rowwise]"],

@@ -110,6 +110,32 @@ def test_inferred_plan_pairs_linears_joined_by_elementwise_ops_only():
     assert gated == {"down": "colwise", "a": "rowwise"}
 
 
+class _Masked(nn.Module):
+    """up -> gelu -> times a mask of its own width -> down: the mask is whole on every rank, so up's slice of
+    features cannot meet it: nothing pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.mask = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)) * self.mask)
+
+
+def test_a_swiglu_mlp_is_inferred_with_gate_and_up_colwise_and_down_rowwise():
+    """w2(silu(w1(x)) * w3(x)): two Linears feed the third through elementwise ops; the old rule (the Linear that
+    ended last feeds the next) paired w3 and w2 alone and left w1 whole, which failed at the first step."""
+    from tests.user_model import swiglu
+
+    with torch.device("meta"):
+        plan = infer_plan(swiglu(), (torch.zeros(2, 32, device="meta"),))
+        with pytest.raises(ConfigError, match="none could be inferred"):
+            infer_plan(_Masked(), (torch.zeros(2, 8, device="meta"),))
+    assert plan == {f"blocks.{i}.{name}": style for i in (0, 1)
+                    for name, style in (("w1", "colwise"), ("w3", "colwise"), ("w2", "rowwise"))}
+
+
 def test_sequence_parallel_needs_a_model_with_a_sequence_plan():
     cfg = _cfg(args={"in_features": 32, "out_features": 4, "hidden": 64})
     cfg.strategy.sequence_parallel = True

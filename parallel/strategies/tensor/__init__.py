@@ -6,9 +6,9 @@ A plan maps module names to PyTorch ParallelStyles. It comes from, in this order
   2. the model's own: a built-in model's `tp_plan(tp)` method, or the plan a Hugging
      Face model carries (`_tp_plan` / its config's `base_model_tp_plan`), its style
      names turned into these (Note [Hugging Face tensor-parallel plans], parallel/models/hf.py);
-  3. inferred from the forward (`infer_plan`): Linears (or Hugging Face Conv1Ds) called
-     one right after the other, with only elementwise ops between them and matching
-     widths, become colwise -> rowwise pairs;
+  3. inferred from the forward (`infer_plan`): Linears (or Hugging Face Conv1Ds) whose
+     outputs reach the next Linear through elementwise ops only, with matching widths,
+     become colwise and that one rowwise (SwiGLU's gate and up -> down);
   4. else a ConfigError asks for strategy.tp_plan.
 
 Style names (parallel.strategies.tensor.styles):

@@ -1,5 +1,5 @@
 """A tensor-parallel plan inferred from the forward: Linears (and Hugging Face Conv1Ds) that feed the next one
-through elementwise ops only become colwise -> rowwise pairs."""
+through elementwise ops only become colwise, that one rowwise (a SwiGLU's gate and up, then its down)."""
 from __future__ import annotations
 
 import torch
@@ -38,11 +38,11 @@ def _elementwise(func) -> bool:
 def infer_plan(model: nn.Module, example: tuple) -> dict[str, str]:
     """Pair Linears for tensor parallelism by running the forward once on meta tensors.
 
-    A pair is a Linear (or Hugging Face Conv1D) A whose output goes, through elementwise ops only (an
-    activation, dropout), straight into the next Linear called, B, with B's
-    input width equal to A's output width; A becomes colwise and B rowwise, so
-    each rank keeps its slice of A's features all the way to B. Linears called
-    more than once per forward are left whole, as is every unpaired one.
+    A pair is a set of Linears (or Hugging Face Conv1Ds) A whose outputs go, through elementwise ops only
+    (an activation, dropout, a SwiGLU's product), into a Linear B, with B's input width equal to each A's
+    output width; every A becomes colwise and B rowwise, so each rank keeps its slice of the features all
+    the way to B (`_pairs`). Linears called more than once per forward are left whole, as is every
+    unpaired one.
 
     Raises:
         ConfigError: no pair was found (the model needs an explicit plan).
@@ -84,30 +84,59 @@ def _recorded(model: nn.Module, example: tuple, events: list):
 
 
 def _pairs(events: list, shapes: dict[str, tuple]) -> dict[str, str]:
-    """colwise -> rowwise pairs from the recorded forward (see `infer_plan`)."""
+    """colwise -> rowwise pairs from the recorded forward (see `infer_plan`).
+
+    Each tensor made by elementwise ops from Linears' outputs remembers those Linears (its origin): a SwiGLU's
+    `silu(gate(x)) * up(x)` comes from gate and up, and feeding down makes gate and up colwise and down rowwise.
+    A Linear whose output (or anything made from it) also reaches another kind of op, another Linear, or an
+    elementwise op beside a tensor of its own (a residual, a mask) would hand that op a rank's slice of it:
+    it stays whole, and so does its partner.
+    """
     calls: dict[str, int] = {}
     for kind, what in events:
         if kind == "start":
             calls[what[0]] = calls.get(what[0], 0) + 1
-    plan: dict[str, str] = {}
-    # The Linear that ended last, and the tensors made from its output by
-    # elementwise ops alone since then (None once anything else ran).
-    last_end, derived = None, None
+    origin: dict[int, frozenset] = {}  # id of a tensor -> the Linears it was made from, elementwise
+    escaped: set[str] = set()
+    candidates: list[tuple[frozenset, str]] = []
+    inside = False  # between a Linear's start and end: its own ops, which take its input as they must
     for kind, what in events:
         if kind == "end":
-            last_end, derived = what[0], {id(what[1])}
-        elif kind == "op" and derived is not None:
-            func, inputs, outputs = what
-            if not outputs:
-                continue  # a query that makes no tensor (prim.device on fake tensors) moves no data
-            if _elementwise(func) and any(id(t) in derived for t in inputs):
-                derived.update(id(t) for t in outputs)
-            elif not _elementwise(func):
-                derived = None
+            origin[id(what[1])], inside = frozenset([what[0]]), False
+        elif kind == "op" and not inside:
+            _follow(what, origin, escaped)
         elif kind == "start":
-            a, (b, x) = last_end, what
-            if (a is not None and derived is not None and id(x) in derived and a not in plan
-                    and calls.get(a) == 1 and calls.get(b) == 1 and shapes[a + ":out"] == shapes[b + ":in"]):
-                plan[a], plan[b] = "colwise", "rowwise"
-            last_end, derived = None, None
+            inside = True
+            if id(what[1]) in origin:
+                candidates.append((origin[id(what[1])], what[0]))
+    feeds: dict[str, int] = {}
+    for sources, _ in candidates:
+        for a in sources:
+            feeds[a] = feeds.get(a, 0) + 1
+    plan: dict[str, str] = {}
+    for sources, b in candidates:
+        if (sources & escaped or b in plan or any(a in plan for a in sources) or calls.get(b) != 1
+                or any(calls.get(a) != 1 or feeds[a] != 1 or shapes[a + ":out"] != shapes[b + ":in"]
+                       for a in sources)):
+            continue
+        plan.update({a: "colwise" for a in sorted(sources)})
+        plan[b] = "rowwise"
     return plan
+
+
+def _follow(op: tuple, origin: dict[int, frozenset], escaped: set[str]) -> None:
+    """One recorded op: its outputs' origin when it is elementwise over Linears' outputs (and scalars), else
+    the Linears its inputs came from escape (`_pairs`)."""
+    func, inputs, outputs = op
+    if not outputs:
+        return  # a query that makes no tensor (prim.device on fake tensors) moves no data
+    tagged = [origin[id(t)] for t in inputs if id(t) in origin]
+    if not tagged:
+        return
+    merged = frozenset().union(*tagged)
+    others = [t for t in inputs if id(t) not in origin and t.numel() > 1]
+    if _elementwise(func) and not others:
+        for t in outputs:
+            origin[id(t)] = merged
+    else:
+        escaped.update(merged)
