@@ -2,14 +2,14 @@
 recomputation checkpoints (Note [pipeline partitioning] in parallel/strategies/pipeline/partition.py).
 
 # Note [nested blocks]
-A model's blocks are its top-level children, with the items of a top-level ModuleList / Sequential counted
-one by one. Hugging Face models keep their repeated blocks one or two levels down (`model.layers.N` in
+A model's blocks are its top-level children, with the items of a top-level ModuleList / Sequential /
+ModuleDict (torchtitan keeps its layers in one, keyed "0", "1", ...) counted one by one. Hugging Face models keep their repeated blocks one or two levels down (`model.layers.N` in
 Llama, `transformer.h.N` in GPT-2, `bert.encoder.layer.N` in BERT, `vit.encoder.layer.N` in ViT), under a
 wrapper whose forward also embeds, builds the attention mask, computes rotary embeddings once and normalizes.
 A top-level child that holds the repeated blocks is therefore replaced by its own children, recursively,
 down to the list of blocks, whose items count one by one: Llama gives `model.embed_tokens`,
 `model.rotary_emb`, `model.layers.0`, ..., `model.norm`, `lm_head`. The repeated blocks are a ModuleList /
-Sequential whose items are all of one class: a class the model names in `_no_split_modules` (Hugging Face's
+Sequential / ModuleDict whose items are all of one class: a class the model names in `_no_split_modules` (Hugging Face's
 list of modules never to cut through) when it names any, else any class with at least two items. The built-in
 models keep their lists at the top, so their blocks are what they were.
 """
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 
 from parallel.tensors import meta_forward
 
-LISTS = (nn.ModuleList, nn.Sequential)
+LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def _no_split_classes(model: nn.Module) -> set[str]:

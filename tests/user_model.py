@@ -372,3 +372,24 @@ class SwiGLU(nn.Module):
 
 def swiglu(features: int = 32, hidden: int = 64, out: int = 4, depth: int = 2) -> nn.Module:
     return SwiGLU(features, hidden, out, depth)
+
+
+class DictLayers(nn.Module):
+    """Its layers in an nn.ModuleDict keyed "0", "1", ... (torchtitan's layout), called in the dict's order."""
+
+    def __init__(self, features: int = 32, width: int = 32, out: int = 4, depth: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(features, width)
+        self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(width, width), nn.GELU()) for i in range(depth)})
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers.values():
+            x = x + layer(x)
+        return self.head(self.norm(x))
+
+
+def dict_layers(features: int = 32, width: int = 32, out: int = 4, depth: int = 4) -> nn.Module:
+    return DictLayers(features, width, out, depth)

@@ -46,14 +46,16 @@ from parallel.runtime import Runtime
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the children of its outermost ModuleLists (a ModuleList inside a block,
-    such as a mixture-of-experts layer's experts, belongs to that block's unit)."""
+    """The repeated blocks of a model: the children of its outermost ModuleLists or ModuleDicts (torchtitan's
+    layout; a ModuleList inside a block, such as a mixture-of-experts layer's experts, belongs to that block's
+    unit)."""
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for child in model.modules():  # parents before their children
-        if isinstance(child, nn.ModuleList) and id(child) not in inside:
-            blocks += list(child)
-            inside |= {id(m) for b in child for m in b.modules()}
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and id(child) not in inside:
+            items = list(child.children())
+            blocks += items
+            inside |= {id(m) for b in items for m in b.modules()}
     return blocks
 
 

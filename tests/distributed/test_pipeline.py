@@ -69,3 +69,22 @@ def test_given_split_points_are_used(tmp_path):
     run = pipeline_run(tmp_path, MLP + ["strategy.split_points=[blocks.1]", "trainer.progress=false"])
     log = (run / "logs" / "rank0.log").read_text()
     assert "inp .. blocks.0" in log and "blocks.1 .. head" in log
+
+
+DICT_LAYERS = ["model=custom", "model._target_=tests.user_model.dict_layers"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("split", ["balanced", "given"])
+def test_layers_in_a_module_dict_split_into_stages(reference, tmp_path, split):
+    """torchtitan's layout: the layers in an nn.ModuleDict ("0".."3") are blocks of their own, so the stages
+    split between them (they went whole to the first stage) and a split point may name one; the partition
+    table's parameter counts are what each stage holds (param_bytes_per_rank), and the run is single's."""
+    given = ["strategy.split_points=[layers.2]"] if split == "given" else []
+    run = pipeline_run(tmp_path, DICT_LAYERS + given)
+    cli.assert_same_training(run, reference(cli.FAST + DICT_LAYERS))
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "inp .. layers.1" in log and "layers.2 .. head" in log, log
+    rows = [line.split() for line in log.splitlines() if " .. " in line]
+    counts = [int(row[-3].replace(",", "")) for row in rows[-2:]]
+    assert [4 * c for c in counts] == cli.metrics(run)[-1]["param_bytes_per_rank"]

@@ -73,7 +73,7 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime, trace_s
     if n_stages > len(names):
         raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
                           f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)}): its "
-                          "top-level children, the items of its top-level ModuleLists / Sequentials, and the "
+                          "top-level children, the items of its top-level ModuleLists / Sequentials / ModuleDicts, and the "
                           "repeated blocks of a child that holds them (Note [nested blocks] in parallel/blocks.py)")
     # Only rank 0's choice counts (runtime.agree), so only rank 0 times the blocks and
     # traces the boundaries: the others would compete with it for the machine and
