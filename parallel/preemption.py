@@ -128,10 +128,12 @@ class Watch:
         check_s: the ranks check at every step boundary when steps take this long, else every few (Note
             [preemption]).
         group: the process group to agree over (a CPU one); None: the default group.
+        clock: what times the steps between checks (seconds, monotonic); a test passes its own, to set how long
+            steps take. The timeout and SAME_SIGNAL_S are the watcher thread's, on time.monotonic.
     """
 
-    def __init__(self, timeout_s: float, check_s: float = 0.0, group=None):
-        self.timeout_s, self.check_s, self.group = timeout_s, check_s, group
+    def __init__(self, timeout_s: float, check_s: float = 0.0, group=None, clock=time.monotonic):
+        self.timeout_s, self.check_s, self.group, self.clock = timeout_s, check_s, group, clock
         self.next_check = 0  # the first step boundary of the next check
         self._last: tuple[int, float] | None = None  # (step, time) of the last check
         self.signum = 0  # the first signal received (0: none yet); written by the watcher thread only
@@ -179,12 +181,12 @@ class Watch:
         at the same boundaries). With `step`, also when to check next: the fewest steps apart any rank proposes."""
         every = 1
         if step is not None and self._last is not None and step > self._last[0]:
-            every = checks_every((time.monotonic() - self._last[1]) / (step - self._last[0]), self.check_s)
+            every = checks_every((self.clock() - self._last[1]) / (step - self._last[0]), self.check_s)
         flag = torch.tensor([self.signum, -every], dtype=torch.int64)  # max of -every: the smallest every
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if step is not None:
-            self.next_check, self._last = step - int(flag[1]), (step, time.monotonic())
+            self.next_check, self._last = step - int(flag[1]), (step, self.clock())
         return int(flag[0])
 
     def _watch(self) -> None:
@@ -227,17 +229,24 @@ _given_back: dict = {}  # the handlers before the Watch, after a preemption (sub
 
 
 @contextlib.contextmanager
-def watching(timeout_s: float, check_s: float = 0.0):
-    """Watch for preemption signals while a worker runs (from its main thread, with the process group up)."""
+def watching(timeout_s: float, check_s: float = 0.0, clock=time.monotonic):
+    """Watch for preemption signals while a worker runs (from its main thread, with the process group up);
+    the arguments are Watch's."""
     global _watch
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")  # the agreement is on CPU
-    _watch = Watch(timeout_s, check_s, group)
+    _watch = Watch(timeout_s, check_s, group, clock)
     _watch.start()
     try:
         yield _watch
     finally:
         _watch.close()
         _watch = None
+
+
+def seen() -> int:
+    """The first preemption signal this worker's watch has recorded, 0 for none yet (or no watch): what this
+    rank brings to the next check. For code that must know a signal has landed (tests/preempting.py)."""
+    return _watch.signum if _watch is not None else 0
 
 
 def stop_here(run, checkpoints, step: int) -> Preempted | None:

@@ -149,6 +149,7 @@ class Replay:
             a probe product is timed too, and the call's time taken at the speed the probe then had (here a
             256 x 256 product took 330-460 us from one second to the next on an idle machine, and one plan's
             calls came out twice as slow as the same calls in the next plan). None: as timed.
+        clock: what times the calls (seconds); a test passes its own.
 
     On a CPU a call is timed on its operands as the step finds them (Note [cost model]): over `copies` sets
     of operands in turn that together span the bytes the step passes over once (weights, gradients,
@@ -160,8 +161,9 @@ class Replay:
     BATCH_S = 2e-4  # the shortest batch of repeats timed for one sample of a short call
     COPIES = 64  # the most operand sets a call is timed over
 
-    def __init__(self, device: torch.device, threads: int | None = None, probe_s: float | None = None):
-        self.device, self.threads = device, threads
+    def __init__(self, device: torch.device, threads: int | None = None, probe_s: float | None = None,
+                 clock=time.perf_counter):
+        self.device, self.threads, self.clock = device, threads, clock
         self.probe_s = probe_s if device.type == "cpu" else None
         self.seconds: dict[tuple, float | None] = {}  # (call, copies) -> seconds (None: could not run here)
         self.cache = last_level_cache() if device.type == "cpu" else 0
@@ -210,20 +212,20 @@ class Replay:
                     for a, k in sets:
                         func(*a, **k)
             sync()
-            t0 = time.perf_counter()
+            t0 = self.clock()
             func(*sets[0][0], **sets[0][1])
             sync()
-            once = time.perf_counter() - t0
+            once = self.clock() - t0
             reps = max(1, min(50, int(self.BATCH_S / max(once, 1e-7))))
             batches, turn = [once], 1
             for _ in range(2):
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 for _ in range(reps):
                     a, k = sets[turn % copies]
                     func(*a, **k)
                     turn += 1
                 sync()
-                batches.append((time.perf_counter() - t0) / reps)
+                batches.append((self.clock() - t0) / reps)
             return statistics.median(batches) / self._speed()
         except Exception:  # noqa: BLE001 - a call that needs real values (or another device): priced by class
             return None

@@ -51,10 +51,11 @@ _sent = [False]
 def signalling_mse(out, target, metrics: str = "", at: int = 0, signals: str = "SIGTERM", to: str = "self",
                    rank: int = -1, once: str = "") -> torch.Tensor:
     """Mean squared error. In step `at` of a run logging every step to `metrics` (its metrics.jsonl, which
-    then holds at - 1 records), it sends each signal of `signals` (comma-separated, 1.5 s apart: a second
-    signal) to this process (`to=self`: what SLURM does to every task) or to its parent (`to=parent`: the
-    launcher, or torchrun's agent), then stays 1 s in the step. Steps are read from the file, not counted
-    here: a pipeline calls the loss before training, to time its blocks.
+    then holds at - 1 records), it sends each signal of `signals` (comma-separated: a second signal) to this
+    process (`to=self`: what SLURM does to every task) or to its parent (`to=parent`: the launcher, or
+    torchrun's agent), and stays in the step until this worker's watch has the first (a loaded machine's
+    watcher thread may take a while: waited for, not slept); a second one goes SECOND_S after that. Steps
+    are read from the file, not counted here: a pipeline calls the loss before training, to time its blocks.
 
     Args:
         rank: only the worker of this RANK sends (-1: every worker); the rank that logs sees the file up to
@@ -72,7 +73,23 @@ def signalling_mse(out, target, metrics: str = "", at: int = 0, signals: str = "
             pid = os.getpid() if to == "self" else os.getppid()
             for i, name in enumerate(signals.split(",")):
                 if i:
-                    time.sleep(1.5)
+                    _until_seen()
+                    time.sleep(SECOND_S)
                 os.kill(pid, getattr(signal, name))
-            time.sleep(1.0)
+            _until_seen()
     return F.mse_loss(out.float(), target.float())
+
+
+# A second signal this long after this worker's watcher thread had the first: past SAME_SIGNAL_S (1 s) as every
+# rank's watcher sees the two, should another rank's see the first up to 1.5 s later.
+SECOND_S = 2.5
+
+
+def _until_seen(limit_s: float = 60.0) -> None:
+    """Wait until this worker's watch has recorded a preemption signal (parallel.preemption.seen), up to
+    `limit_s`: a signal sent from a step is then one the check at its end sees (Note [preemption])."""
+    from parallel import preemption
+
+    deadline = time.monotonic() + limit_s
+    while not preemption.seen() and time.monotonic() < deadline:
+        time.sleep(0.001)

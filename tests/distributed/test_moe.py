@@ -1,7 +1,6 @@
 """model=moe trains to the same numbers as strategy=single under data parallelism, pipelines and expert
 parallelism (ep alone, dp x ep, ep x pp, ep x tp), and a checkpoint saved at ep 2 resumes on one process."""
 import pytest
-import torch
 
 from tests import cli
 
@@ -49,11 +48,7 @@ def test_checkpoint_at_ep2_resumes_on_one_process(reference, tmp_path):
             cwd=tmp_path)
     ref = reference(cli.FAST + MOE)
     assert [r["step"] for r in cli.metrics(resumed)] == [4, 5, 6]
-    torch.testing.assert_close(cli.losses(resumed), cli.losses(ref)[3:], rtol=1e-4, atol=0)
-    got, want = cli.final_weights(resumed), cli.final_weights(ref)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    cli.assert_same_training(resumed, ref, first_step=4)
 
 
 @pytest.mark.timeout(300)
@@ -70,14 +65,9 @@ def test_single_is_the_users_own_loop(tmp_path):
     the batch it is given) gives single's losses and weights."""
     from parallel.config import DataConfig
     from parallel.models.moe import build_moe
-    from tests.hf_models import HF_FAST, plain_loop
+    from tests.hf_models import HF_FAST, assert_as, plain_loop
 
     cli.run(HF_FAST + MOE + [f"run_dir={tmp_path}"], cwd=tmp_path)
     kwargs = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "experts": 4, "capacity_factor": 1.5,
               "aux_coef": 0.1}
-    losses, state = plain_loop(build_moe, kwargs, DataConfig(task="lm", seq_len=16))
-    torch.testing.assert_close(cli.losses(tmp_path), losses, rtol=1e-4, atol=0)
-    final = cli.final_weights(tmp_path)
-    assert sorted(final) == sorted(state)
-    for name, value in state.items():
-        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert_as(tmp_path, plain_loop(build_moe, kwargs, DataConfig(task="lm", seq_len=16)))

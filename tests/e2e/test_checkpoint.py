@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests import cli
+from tests import cli, parity
 
 STEPS = 8
 BASE = ["trainer.log_every=1", "trainer.progress=false", "trainer.save_final=true", "trainer.timeout_s=60",
@@ -35,10 +35,7 @@ def assert_continues(run_dir, ref_dir, first: int) -> None:
     assert sorted(got) == list(range(first, STEPS + 1)), sorted(got)
     torch.testing.assert_close(torch.tensor([got[s] for s in sorted(got)], dtype=torch.float64),
                                torch.tensor([want[s] for s in sorted(got)], dtype=torch.float64), rtol=1e-5, atol=0)
-    got_w, want_w = cli.final_weights(run_dir), cli.final_weights(ref_dir)
-    assert sorted(got_w) == sorted(want_w)
-    for name in want_w:
-        torch.testing.assert_close(got_w[name], want_w[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    parity.assert_same_weights(cli.final_weights(run_dir), cli.final_weights(ref_dir), parity.run_reach(ref_dir))
 
 
 # (model, saved under, resumed under): every strategy saves and loads; world sizes 1, 2 and 4.

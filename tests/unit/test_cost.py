@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import logging
-import time
 
 import pytest
 import torch
@@ -343,13 +342,15 @@ def test_replay_takes_a_call_at_the_speed_the_machine_was_calibrated_at(monkeypa
     assert Replay(torch.device("cpu"), probe_s=10.0)._speed() == 0.25
     assert Replay(torch.device("meta"), probe_s=1.0).probe_s is None  # the probe is a CPU's
 
-    def nap(ms):
-        time.sleep(ms / 1e3)
+    now = [0.0]
+
+    def nap(ms):  # a call of `ms` milliseconds by the replay's clock, whatever else the machine is doing
+        now[0] += ms / 1e3
 
     key = (nap, ("tuple", ("value", 2.0)), ("dict",))  # as parallel.plan_work.spec describes nap(2.0)
-    replay = Replay(torch.device("cpu"), probe_s=1.0)
+    replay = Replay(torch.device("cpu"), probe_s=1.0, clock=lambda: now[0])
     monkeypatch.setattr(replay, "_speed", lambda: 2.0)
-    assert 0.9e-3 < replay._time(key) < 2.5e-3  # 2 ms slept (a busy machine: more), twice as slow as calibrated
+    assert replay._time(key) == pytest.approx(1e-3)  # 2 ms, twice as slow as calibrated
 
 
 def test_replayed_calls_are_held_to_the_calibration_s_own_probe(monkeypatch):
