@@ -264,9 +264,13 @@ def whole_weights_differ(run: Run) -> AgreedStop | None:
     if group is None:
         return None
     unequal = unequal_gradients(run.engine.state_modules(), group)
-    if not unequal:
+    # Every rank learns whether any tp group (a pipeline stage's, a dp replica's) found one; the first rank that
+    # did says so.
+    found = [r for r, n in enumerate(gather_ints(len(unequal))) if n]
+    if not found:
         return None
-    return AgreedStop(describe(unequal, dist.get_world_size(group)), says=dist.get_rank() == 0, agreed=True)
+    line = describe(unequal, dist.get_world_size(group)) if unequal else ""
+    return AgreedStop(line, says=dist.get_rank() == found[0], agreed=True)
 
 
 def first_step_done(run: Run) -> None:
