@@ -117,11 +117,28 @@ def check_weights(m: ModelConfig, model: nn.Module) -> None:
                  f"unexpected {len(unexpected)}: {_listed(unexpected)}" if unexpected else ""]
         fail(key, weights, f"do not fit {type(model).__name__}; " + "; ".join(f for f in found if f),
              "model.strict=false keeps the initial values of missing tensors and ignores unexpected ones")
+    _refuse_renamed(key, weights, model, missing, unexpected)
     # model=hf: what the directory lacks is initialised as from_pretrained initialises it (build_own_model).
     kept = "from_pretrained's initial values" if pretrained_dir(m) else "initial values kept"
     for what, names in ((f"lack; {kept} for", missing), ("hold, ignored:", unexpected)):
         if names:
             log.warning("the weights %s %s %d tensors (%s)", weights, what, len(names), _listed(names))
+
+
+def _refuse_renamed(key: str, weights: str, model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    """The model's own body (not a head, which from_pretrained would initialise too) lacking tensors while the
+    files hold tensors nothing reads: the same weights saved under other names or another layout (a Mixtral
+    checkpoint's per-expert `experts.N.w1` where transformers 5 builds fused `experts.gate_up_proj`, converting
+    them as it loads). Filled with fresh values, a pretrained body would train from random weights with one
+    warning line; refused instead, whatever model.strict says."""
+    prefix = getattr(model, "base_model_prefix", "")
+    body = [n for n in missing if prefix and n.startswith(prefix + ".")]
+    if body and unexpected:
+        fail(key, weights, f"{len(body)} tensors of {type(model).__name__}'s own body are not in the files "
+             f"({_listed(body)}), while {len(unexpected)} of the files' go unread ({_listed(unexpected)}): saved "
+             f"under other names or in another layout (transformers converts some checkpoints as it loads "
+             f"them, which is not read here yet); their pretrained values would be replaced by fresh ones",
+             ["files that name the tensors as the model does", "model.pretrained=false (fresh values, on purpose)"])
 
 
 def check_init_memory(m: ModelConfig, model: nn.Module, available: int | None = None) -> None:
