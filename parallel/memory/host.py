@@ -56,11 +56,8 @@ KEPT_TRIM_THRESHOLD = (1 << 31) - 1  # the largest trim threshold mallopt takes 
 def set_mmap_threshold(nbytes: int, trim: int | None = None, mapped: bool = True) -> bool:
     """glibc's mmap threshold (and trim threshold, when given) in bytes, and whether blocks above it are mappings
     of their own (`mapped`; False: every block from the heap); False where there is no glibc."""
-    if sys.platform != "linux":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return False
     ok = bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
     if trim is not None:
@@ -71,13 +68,18 @@ def set_mmap_threshold(nbytes: int, trim: int | None = None, mapped: bool = True
 def trim_host_heap() -> bool:
     """Give the system back every whole free page the heap holds (glibc's malloc_trim: the free chunks inside
     the heap too, not only its top); False where there is no glibc."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
+
+
+def _glibc():
+    """The C library when it is glibc (Linux), else None."""
     if sys.platform != "linux":
-        return False
+        return None
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
-        return False
-    return bool(libc.malloc_trim(0))
+        return None
 
 
 def steady_host_allocations(keep_large: bool = False) -> bool:
