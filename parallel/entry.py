@@ -38,9 +38,11 @@ def check_choices(argv: list[str], conf: Path) -> None:
     message says the same in a paragraph, exit status 1): before Hydra composes anything. The groups are conf/'s
     folders; a `--config-dir DIR` (`-cd`) adds its own options."""
     dirs = [conf]
-    for flag in ("--config-dir", "-cd"):
-        if flag in argv[:-1]:
-            dirs.append(Path(argv[argv.index(flag) + 1]))
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(Path(argv[i + 1]))
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.partition("=")[2]))
     for arg in argv:
         m = _CHOICE.match(arg)
         if m is None or not any((d / m["group"]).is_dir() for d in dirs):

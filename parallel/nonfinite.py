@@ -16,7 +16,8 @@ norm and before the optimizer step (parallel/trainer.py `train_step`):
                   takes the same decision without a collective of its own.
   what it costs   one read of a device scalar per step (a host sync on CUDA,
                   before the optimizer step is queued; nothing on the CPU, where
-                  the values are already on the host): benchmarks/overhead.py.
+                  the values are already on the host): benchmarks/overhead_parts.py,
+                  rung `guard`.
   stop (default)  the run ends before the optimizer step and before that step's
                   checkpoint: one line, `error: non-finite loss (nan) at step S on
                   rank R (grad_norm nan); the last good checkpoint is ...`, exit

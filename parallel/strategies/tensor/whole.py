@@ -35,17 +35,16 @@ def whole_weights(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
-                if not p.placements[p.device_mesh.mesh_dim_names.index("tp")].is_replicate():
-                    continue
-            out.append((name, p))
+            placement = _over_tp(p)
+            if placement is None or placement.is_replicate():
+                out.append((name, p))
     return out
 
 
-def _partial_over_tp(g: torch.Tensor) -> bool:
-    if not isinstance(g, DTensor) or "tp" not in (g.device_mesh.mesh_dim_names or ()):
-        return False
-    return g.placements[g.device_mesh.mesh_dim_names.index("tp")].is_partial()
+def _over_tp(t: torch.Tensor):
+    """A DTensor's placement over the mesh dimension named tp; None for a plain tensor or a mesh without tp."""
+    names = t.device_mesh.mesh_dim_names or () if isinstance(t, DTensor) else ()
+    return t.placements[names.index("tp")] if "tp" in names else None
 
 
 def unequal_gradients(modules: list[nn.Module], tp_group) -> list[tuple[str, float]]:
@@ -53,7 +52,8 @@ def unequal_gradients(modules: list[nn.Module], tp_group) -> list[tuple[str, flo
     (a collective over it; Note [weights left whole])."""
     # A DTensor gradient that is Partial over tp (a SequenceParallel norm's) is the sum of the ranks' parts by its
     # own type, made whole when the optimizer or the norm uses it: right by construction, so not compared.
-    weights = [(n, p) for n, p in whole_weights(modules) if p.grad is not None and not _partial_over_tp(p.grad)]
+    weights = [(n, p) for n, p in whole_weights(modules) if p.grad is not None
+               and not (_over_tp(p.grad) is not None and _over_tp(p.grad).is_partial())]
     if not weights:
         return []
     sums = []
