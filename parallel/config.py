@@ -164,10 +164,10 @@ class DataConfig:
     # datasets.Dataset too), called with `args`. task "auto": read from the first sample with the sizes.
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
-    # The sample's field fed to the model and the one the loss compares with: a dict key or a tuple
-    # index (with data.collate: of the batch it returns); None: item 0 and 1 of a tuple, input_ids /
-    # pixel_values / x and labels / y of a dict.
-    input_key: Optional[str] = None
+    # The sample's field fed to the model and the one the loss compares with: a dict key or a tuple index
+    # (with data.collate: of the batch it returns), or a list of keys passed by name (Note [inputs by name]
+    # in parallel/tensors.py); None: item 0 and 1 of a tuple, input_ids / pixel_values / x and labels / y.
+    input_key: Any = None
     target_key: Optional[str] = None
     # {_target_: package.module.fn}: turns a list of samples into a batch; none: PyTorch's default_collate.
     collate: Dict[str, Any] = field(default_factory=dict)

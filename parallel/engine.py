@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from parallel.config import Config, bf16_run
 from parallel.loss import Loss
 from parallel.optim import clip_grad_norm, param_state
+from parallel.tensors import call_model, split_rows
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -200,9 +201,9 @@ class LocalEngine(Engine):
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (x, y) if self.sequence is None else (self.sequence.shard(x), self.sequence.shard(y))
 
-    def _forward(self, xs: torch.Tensor):
+    def _forward(self, xs):
         if self.sequence is None:
-            return self.model(xs)
+            return call_model(self.model, xs)  # one tensor, or fields by name (Note [inputs by name])
         return self.model(xs, position_ids=self.sequence.position_ids(xs))
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -210,8 +211,8 @@ class LocalEngine(Engine):
         scale = grad_average(self.loss_group)
         x, y = self._local(x, y)
         self.loss.start_step(y, self.loss_group, scale)
-        total = torch.zeros((), device=x.device)
-        for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        total = torch.zeros((), device=y.device)
+        for i, (xs, ys) in enumerate(zip(split_rows(x, accum), y.chunk(accum))):
             # Gradients are reduced across data-parallel ranks only on the last micro-step.
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 / replicate modules have it
                 self.model.set_requires_gradient_sync(i == accum - 1)
@@ -225,9 +226,9 @@ class LocalEngine(Engine):
         # In the training microbatches' size: the memory a step has room for.
         accum = self.cfg.trainer.grad_accum
         x, y = self._local(x, y)
-        scores = torch.zeros(3, dtype=torch.float64, device=x.device)
+        scores = torch.zeros(3, dtype=torch.float64, device=y.device)
         with evaluating([self.model]):
-            for xs, ys in zip(x.chunk(accum), y.chunk(accum)):
+            for xs, ys in zip(split_rows(x, accum), y.chunk(accum)):
                 with autocast(self.cfg, self.device):
                     scores += self.loss.score(self._forward(xs), ys)
         return scores

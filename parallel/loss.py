@@ -84,6 +84,22 @@ LOSSES = {
     "cross_entropy": _cross_entropy,
 }
 TASK_LOSSES = {"regression": "mse", "classification": "cross_entropy", "lm": "cross_entropy"}
+# loss.name=output: the loss the model computes itself (`outputs.loss`, as the Hugging Face Trainer reads it, when
+# its labels are among the inputs by name: Note [inputs by name] in parallel/tensors.py): a mean over the
+# targets not equal to loss.ignore_index (-100, Hugging Face's), multiplied back by their count (Note [global
+# loss]). Exact where the model's mean is over those targets (a seq2seq model's labels); a causal lm that shifts
+# its labels inside counts one target fewer per row, exact without padding.
+OUTPUT = "output"  # also the default when the targets are among the inputs by name (derive_output_loss)
+
+
+def loss_of(out) -> torch.Tensor:
+    """The loss a model's output holds (`out.loss` / `out["loss"]`); a ValueError naming what it holds."""
+    found = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if isinstance(found, torch.Tensor):
+        return found
+    raise ValueError(f"loss.name={OUTPUT} takes the loss the model computes, and its output "
+                     f"({type(out).__name__}) holds none: pass the targets to the forward by name "
+                     "(data.input_key=[..., labels]), or use a built-in loss")
 
 
 def resolve_loss_fn(c: LossConfig):
@@ -145,6 +161,8 @@ class Loss:
     def summed(self, out, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the summed loss over the counted targets, their count) of one microbatch."""
         count = self.count(targets)
+        if self.name == OUTPUT:
+            return loss_of(out).float() * count, count
         if self.user is None:
             return LOSSES[self.name](logits_of(out).float(), targets, self.ignore_index, **self.args), count
         value = self.user(out, targets, **self.args)
@@ -202,14 +220,21 @@ def build_loss(c: LossConfig, task: str) -> Loss:
     return Loss(c, task)
 
 
+def derive_output_loss(c: LossConfig, named: list | None, target_key) -> None:
+    """loss.name=output when nothing names a loss and the targets go to the forward by name (the model
+    computes its loss from them, as the Hugging Face Trainer takes it); in place."""
+    if c.name is None and not c._target_ and named and target_key in named:
+        c.name = OUTPUT
+
+
 def check_loss_config(c: LossConfig) -> None:
     """The loss's own keys: the name, the reduction, the user function's import path."""
     if c.reduction not in LOSS_REDUCTIONS:
         fail("loss.reduction", c.reduction, "unknown reduction", list(LOSS_REDUCTIONS))
     if c._target_:
         resolve_loss_fn(c)
-    elif c.name is not None and c.name not in LOSSES:
-        fail("loss.name", c.name, "unknown loss; use a built-in or set loss._target_", sorted(LOSSES))
+    elif c.name is not None and c.name not in LOSSES and c.name != OUTPUT:
+        fail("loss.name", c.name, "unknown loss; use a built-in or set loss._target_", [*sorted(LOSSES), OUTPUT])
 
 
 def _close(a: float, b: float) -> bool:

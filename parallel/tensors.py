@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch._guards import detect_fake_mode
@@ -11,6 +12,47 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from parallel.torch_compat import settle_autograd_threads
+
+# Note [inputs by name]
+# A batch's input is one tensor, passed as `model(x)`, or, when data.input_key lists several fields of the
+# samples (data=custom: a Hugging Face encoder-decoder's input_ids, attention_mask, decoder_input_ids,
+# labels; a multimodal model's pixel_values), a dict of tensors in that order, passed by name as
+# `model(**x)`, every tensor with the samples in its first dimension. The first field is the main one: the
+# token count, the sequence length and the task are read from it. What cuts a batch by rows
+# (accumulation's micro-steps) cuts every field alike (`split_rows`); what cuts sequences or traces the
+# forward into stages (context parallelism, the pipeline) takes one tensor and refuses a dict before the
+# workers start (parallel/validate.py).
+
+
+def call_model(model, x, **named):
+    """The model's forward on a batch's input: `model(x)`, or `model(**x)` for inputs by name (Note [inputs
+    by name]); `named`: what the strategy adds (context parallelism's position_ids)."""
+    return model(**x, **named) if isinstance(x, Mapping) else model(x, **named)
+
+
+def as_call(x) -> tuple[tuple, dict]:
+    """A batch's input as the (positional, by name) arguments of the forward (Note [inputs by name])."""
+    return ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
+
+
+def split_rows(x, n: int) -> list:
+    """A batch's input cut into `n` pieces by rows, every field alike (`torch.chunk`'s pieces)."""
+    if not isinstance(x, Mapping):
+        return list(x.chunk(n))
+    parts = {k: v.chunk(n) for k, v in x.items()}
+    return [dict(zip(parts, pieces)) for pieces in zip(*parts.values())]
+
+
+def to_device(x, device, non_blocking: bool = False):
+    """A batch's input on `device`, every field of inputs by name alike."""
+    if isinstance(x, Mapping):
+        return {k: v.to(device, non_blocking=non_blocking) for k, v in x.items()}
+    return x.to(device, non_blocking=non_blocking)
+
+
+def main_field(x) -> torch.Tensor:
+    """The tensor a batch's input is counted by: itself, or the first field of inputs by name."""
+    return next(iter(x.values())) if isinstance(x, Mapping) else x
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

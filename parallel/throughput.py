@@ -38,7 +38,7 @@ from parallel.hardware import cpu_peak, cuda_precision, gpu_peak
 from parallel.loss import logits_of
 from parallel.metrics import log
 from parallel.models.build import build_meta_model
-from parallel.tensors import faking
+from parallel.tensors import call_model, faking, main_field
 
 # How long the CPU's peak is measured for (the fastest of the products run in that time: parallel.hardware.cpu_peak).
 CPU_BENCHMARK_S = 0.02
@@ -62,7 +62,7 @@ class Throughput:
             return cls()
         world = dist.get_world_size() if dist.is_initialized() else 1
         # An LM batch is token ids, (batch, sequence): its elements are the tokens.
-        tokens = example_input(cfg.data, cfg.trainer.batch_size)[0].numel() if cfg.data.task == "lm" else None
+        tokens = main_field(example_input(cfg.data, cfg.trainer.batch_size)).numel() if cfg.data.task == "lm" else None
         flops = model_flops(cfg)
         peak, source = device_peak(cfg, device)
         log.info("throughput: %s; device peak %s", "model FLOPs not counted" if flops is None else
@@ -109,7 +109,7 @@ def model_flops(cfg: Config) -> int | None:
     """Model FLOPs of a forward and backward over one global batch (Note [throughput]); None, with a warning,
     for a model that cannot run on meta or fake tensors (one that reads its input's values)."""
     model = build_meta_model(cfg.model).train()
-    (x,) = example_input(cfg.data, cfg.trainer.batch_size)
+    x = example_input(cfg.data, cfg.trainer.batch_size)
     try:
         return _counted(model, x)
     except Exception:  # noqa: BLE001 - meta tensors hold no values: retried as fake ones below
@@ -124,10 +124,10 @@ def model_flops(cfg: Config) -> int | None:
         return None
 
 
-def _counted(model: torch.nn.Module, x: torch.Tensor) -> int:
+def _counted(model: torch.nn.Module, x) -> int:
     counter = Flops()
     with counter:
-        out = logits_of(model(x))
+        out = logits_of(call_model(model, x))
         trained = [p for p in model.parameters() if p.requires_grad]
         # The input gradient of the first layer is not needed (token ids have none), as in training.
         torch.autograd.grad(out.float().sum(), trained, allow_unused=True)

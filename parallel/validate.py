@@ -32,7 +32,7 @@ from parallel.config import (
 )
 from parallel.data import check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
-from parallel.loss import check_loss, check_loss_config
+from parallel.loss import check_loss, check_loss_config, derive_output_loss
 from parallel.lr_schedule import check_schedule
 from parallel.memory.budget import check_memory
 from parallel.models.build import build_meta_model, check_model, check_model_takes_data
@@ -158,7 +158,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_optim(cfg.optim)
     check_schedule(cfg)
     check_data(cfg.data, cfg.trainer.batch_size, cfg.trainer.eval_every)
-    derive_auto_class(cfg.model, cfg.data.task)  # model=hf without architectures: the task's class (resolved)
+    _derive(cfg)
     check_loss_config(cfg.loss)
     if cfg.trainer.eval_every and not has_eval_data(cfg.data):
         fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",
@@ -175,12 +175,12 @@ def validate(cfg: Config, world_size: int) -> None:
     check_strategy(cfg, world_size)
     resolve(cfg, world_size)
     check_tensor_keys(s, tensor_parallel(s))
+    _check_inputs_by_name(cfg)
     per_rank = _check_batch(cfg)
     if pipelined(s):
         check_pipeline(cfg, per_rank)
-    # 3. The model, then what needs it: the optimizer's name patterns, the offload disk's room, BatchNorm
-    #    layers to sync, a checkpoint to resume, blocks to compile, the tensor plan, the pipeline split, the data's shapes through
-    #    the model, and the loss on real outputs of the model's shape.
+    # 3. The model, then what needs it: the optimizer's patterns, the offload disk, BatchNorm layers to sync, a
+    #    checkpoint to resume, blocks to compile, the tensor plan, the pipeline split, the data through the model.
     check_model(cfg.model)
     check_optimizer(cfg, build_meta_model(cfg.model))
     check_weights(cfg.model, build_meta_model(cfg.model))
@@ -202,6 +202,29 @@ def validate(cfg: Config, world_size: int) -> None:
     out = check_model_takes_data(cfg)
     if out is not None:
         check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data))
+
+
+def _derive(cfg: Config) -> None:
+    """What the data says of the model and the loss: model=hf without architectures gets the task's class;
+    targets that go to the forward by name, the model's own loss (`loss.name=output`)."""
+    derive_auto_class(cfg.model, cfg.data.task)
+    derive_output_loss(cfg.loss, list(cfg.data.spec.get("named") or ()), cfg.data.target_key)
+
+
+def _check_inputs_by_name(cfg: Config) -> None:
+    """Fields passed to the forward by name (Note [inputs by name] in parallel/tensors.py) go where a batch is
+    cut by rows; the strategies that cut sequences, trace the forward into stages or infer a plan from it take
+    one input tensor."""
+    s = cfg.strategy
+    if not cfg.data.spec.get("named"):
+        return
+    cuts = [why for on, why in ((pipelined(s), f"strategy.pp={s.pp} traces a forward of one input tensor into "
+                                 "stages"), (s.cp > 1, f"strategy.cp={s.cp} cuts one token tensor's sequences"),
+                                (tensor_parallel(s), f"strategy.tp={s.tp} plans its layers on one input tensor"))
+            if on]
+    if cuts:
+        fail("data.input_key", list(cfg.data.spec["named"]), f"fields passed by name train under single, data "
+             f"and offload; {cuts[0]}", ["one input field (data.input_key=NAME)", "strategy=data"])
 
 
 def _check_batch(cfg: Config) -> int:

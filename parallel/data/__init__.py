@@ -17,9 +17,10 @@ SOURCES = ("synthetic", "shards", "custom")
 
 class DataSource(Protocol):
     """What the trainer reads: this rank's slice of the global batch of a step (a function of (seed, step),
-    so any step can be read on any world size), and `close` to stop any reader threads."""
+    so any step can be read on any world size) as (input, targets), the input a tensor or a dict of fields
+    by name (Note [inputs by name] in parallel/tensors.py), and `close` to stop any reader threads."""
 
-    def batch(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def batch(self, step: int, device: torch.device) -> tuple: ...
 
     def close(self) -> None: ...
 
@@ -85,24 +86,31 @@ class _SpecData:
     def __init__(self, cfg: DataConfig, per_rank: int):
         self.cfg, self.per_rank = cfg, per_rank
 
-    def batch(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, device: torch.device) -> tuple:
         target = self.cfg.spec["target"]
         y = torch.zeros(self.per_rank, *target["shape"], dtype=getattr(torch, target["dtype"]), device=device)
-        return example_input(self.cfg, self.per_rank, device)[0], y
+        return example_input(self.cfg, self.per_rank, device), y
 
     def close(self) -> None:
         """Nothing to stop."""
 
 
-def example_input(d: DataConfig, batch: int = 2, device: str | torch.device = "meta") -> tuple:
-    """The model's positional inputs for `batch` samples, as the data source hands them out (zeros; for
-    data=custom, of the first sample's shape and dtype)."""
+def example_input(d: DataConfig, batch: int = 2, device: str | torch.device = "meta"):
+    """The model's input for `batch` samples, as the data source hands it out: a tensor of zeros, or for
+    data=custom's fields by name a dict of them (Note [inputs by name] in parallel/tensors.py; a mask of
+    ones), each of the first sample's shape and dtype. `parallel.tensors.as_call` makes it the forward's
+    arguments."""
+    def zeros(spec: dict, ones: bool = False) -> torch.Tensor:
+        fill = torch.ones if ones else torch.zeros
+        return fill(batch, *spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
+
+    if d.spec.get("named"):
+        return {k: zeros(spec, "mask" in k) for k, spec in d.spec["named"].items()}
     if d.spec:
-        spec = d.spec["input"]
-        return (torch.zeros(batch, *spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device),)
+        return zeros(d.spec["input"])
     if d.task == "lm" or d.inputs == "tokens":
-        return (torch.zeros(batch, d.seq_len, dtype=torch.long, device=device),)
-    return (torch.zeros(batch, d.features, device=device),)
+        return torch.zeros(batch, d.seq_len, dtype=torch.long, device=device)
+    return torch.zeros(batch, d.features, device=device)
 
 
 def read_hints(d) -> dict:

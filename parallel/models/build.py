@@ -16,7 +16,7 @@ from parallel.loss import logits_of
 from parallel.models import MODELS
 from parallel.models.hf import for_training, hf_args, hf_model, hf_pretrained, hf_weights
 from parallel.models.lora import add_adapters
-from parallel.tensors import meta_forward
+from parallel.tensors import as_call, main_field, meta_forward
 
 
 def resolve_factory(m: ModelConfig):
@@ -139,17 +139,25 @@ def check_model_takes_data(cfg: Config):
     if d.name == "custom":  # the fields read from the first sample: name them
         key, value, what = "data.input_key", d.input_key, f"the dataset's {d.task}"
         shape["regression"] = (2, *d.spec["target"]["shape"])
-    (x,) = example_input(d)
+        if d.spec.get("named"):  # fields by name: an lm target need not be as long as the main field
+            shape["lm"] = (2, *d.spec["target"]["shape"], d.vocab_size)
+    inputs = example_input(d)
+    x = main_field(inputs)
     model = build_meta_model(cfg.model)
-    _check_forward_takes_a_batch(cfg.model, model)
+    _check_forward_takes_a_batch(cfg.model, model, inputs)
+    args, named = as_call(inputs)
     try:
-        raw = meta_forward(model, x)
+        raw = meta_forward(model, *args, **named)
     except Exception as e:  # noqa: BLE001 - any failure here is the shapes not fitting
         if cfg.model._target_ and d.name != "shards":
             return None  # a user's model may do what fake tensors cannot (read a value): its first step will tell
         field = f"field {d.input_key!r}: " if d.name == "custom" else ""
-        fail(key, value, f"the model does not take {what} samples ({field}{x.dtype} features of shape "
-             f"{tuple(x.shape[1:])}){hint}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        if named:
+            field = "by name: " + ", ".join(f"{k} {t.dtype} {tuple(t.shape[1:])}" for k, t in named.items())
+        else:
+            field += f"{x.dtype} features of shape {tuple(x.shape[1:])}"
+        fail(key, value, f"the model does not take {what} samples ({field}){hint}: {type(e).__name__}: "
+             f"{str(e).splitlines()[0] if str(e) else ''}")
     try:
         out = logits_of(raw)
     except TypeError as e:
@@ -168,20 +176,24 @@ def check_model_takes_data(cfg: Config):
     return raw
 
 
-def _check_forward_takes_a_batch(m: ModelConfig, model: nn.Module) -> None:
-    """A forward with required arguments besides the batch's input (a model is called as `model(x)`): one line
-    before any worker, not a TypeError at its first step (a fake-tensor run of a user's model may fail for
-    other reasons, so this does not wait for one)."""
+def _check_forward_takes_a_batch(m: ModelConfig, model: nn.Module, inputs) -> None:
+    """A forward with required arguments besides the batch's input (a model is called as `model(x)`, or
+    `model(**x)` for inputs by name: Note [inputs by name] in parallel/tensors.py): one line before any
+    worker, not a TypeError at its first step (a fake-tensor run of a user's model may fail for other
+    reasons, so this does not wait for one)."""
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):  # a builtin or C++ forward: nothing to read
         return
+    args, named = as_call(inputs)
     try:
-        sig.bind(None)
+        sig.bind(*args, **named)
     except TypeError as e:
+        call = f"model({', '.join(f'{k}=...' for k in named)}), the data's fields by name" if named else \
+            "model(inputs), the data's input tensor alone"
         fail("model._target_" if m._target_ else "model", m._target_ or m.name,
-             f"its forward{sig} takes arguments a batch cannot fill ({e}): each step calls model(inputs), the "
-             f"data's input tensor alone", ["a forward whose other arguments have defaults", "a wrapper model"])
+             f"its forward{sig} takes arguments a batch cannot fill ({e}): each step calls {call}",
+             ["a forward whose other arguments have defaults", "a wrapper model"])
 
 
 def _check_vocab_bound(key: str, value, got: tuple, seq_len: int, bound: int) -> None:

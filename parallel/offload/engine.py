@@ -86,6 +86,7 @@ from parallel.offload.state import OffloadState
 from parallel.offload.stream import WeightStream
 from parallel.offload.tiers import ALIGN, Counters, DiskTier, HostTier, check_disk, effective
 from parallel.runtime import Runtime
+from parallel.tensors import as_call, call_model
 
 
 def _return_freed_memory() -> None:
@@ -216,7 +217,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         self.loss.start_step(y, None, 1)  # one process: the whole global batch, no accumulation
         with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
             with autocast(self.cfg, self.device):
-                out = self.model(x) if features is None else self.model.trainable_forward(features)
+                out = call_model(self.model, x) if features is None else self.model.trainable_forward(features)
                 loss = self.loss(out, y)
             loss.backward()
         self.hooks.end_step()
@@ -230,7 +231,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         self.lookahead.drain()
         self.hooks.phase = "forward"  # prefetch forward, release after each block
         with evaluating([self.model]), autocast(self.cfg, self.device):
-            return self.loss.score(self.model(x), y)
+            return self.loss.score(call_model(self.model, x), y)
 
     @property
     def looking_ahead(self) -> bool:
@@ -303,7 +304,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
 
 def build_offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
     """strategy=offload: this process's engine, the model streamed block by block (Note [offload engine])."""
-    names, _ = candidates(model, example_input(cfg.data))
+    names, _ = candidates(model, *as_call(example_input(cfg.data)))
     engine = OffloadEngine(model, cfg, runtime, plan, names, cfg.run_dir, build_loss(cfg.loss, cfg.data.task))
     t = engine.tier_names
     if not engine.blocks:

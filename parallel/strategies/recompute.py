@@ -23,6 +23,7 @@ from parallel.batchnorm import recompute_contexts
 from parallel.blocks import candidates
 from parallel.config import Config
 from parallel.data import example_input
+from parallel.tensors import as_call
 
 
 def recomputing(cfg: Config) -> bool:
@@ -47,5 +48,5 @@ def recompute_blocks(root: nn.Module, names: list[str]) -> None:
 
 def recompute_model(model: nn.Module, cfg: Config) -> None:
     """Checkpoint the blocks of a whole model (strategies that keep the whole model on each rank)."""
-    names, _ = candidates(model, example_input(cfg.data))
+    names, _ = candidates(model, *as_call(example_input(cfg.data)))
     recompute_blocks(model, names)

@@ -10,6 +10,8 @@ from hydra.core.global_hydra import GlobalHydra
 from parallel.config import ConfigError
 from parallel.data import build_data, build_eval_data, example_input, planned_data
 from parallel.data.custom import MapOrder, check_custom, split_indices
+from parallel.data.custom.split import ShardPlan, interleave_rows
+from parallel.tensors import as_call, split_rows
 from parallel.validate import to_config, validate
 from tests import user_data
 from tests.cli import ROOT
@@ -143,13 +145,40 @@ def test_first_sample_sets_task_sizes_and_keys():
     assert (hf.task, hf.classes, hf.features, hf.input_key, hf.target_key) == ("classification", 3, 8, "x", "labels")
     lm = config("model=gpt", target="tests.user_data.Tokens").data
     assert (lm.task, lm.seq_len, lm.vocab_size, lm.input_key, lm.target_key) == ("lm", 6, 16, "input_ids", "labels")
-    assert example_input(lm)[0].dtype == torch.long and example_input(lm, 3)[0].shape == (3, 6)
+    assert example_input(lm).dtype == torch.long and example_input(lm, 3).shape == (3, 6)
     x, y = planned_data(lm, 0, 32, 0, 2).batch(1, CPU)
     assert x.shape == (16, 6) and y.shape == (16, 6) and y.dtype == torch.long
     regression = config("data.input_key=0", "data.target_key=1").data
     assert (regression.task, regression.features, regression.targets) == ("regression", 8, 2)
     collated = config("data.collate._target_=tests.user_data.take_first_two").data
     assert (collated.input_key, collated.target_key) == ("x", "y")
+
+
+def test_fields_by_name_are_collated_cut_and_planned_as_a_dict():
+    """data.input_key as a list (Note [inputs by name] in parallel/tensors.py): a dict of the fields, in that
+    order, collated, cut into rows alike, planned as zeros (a mask as ones); the task and sizes from the first;
+    an encoder-decoder's target of its own length is an lm target; the loss the model's by default."""
+    fields = ["input_ids", "attention_mask", "labels"]
+    cfg = config("model=custom", "model._target_=tests.seq2seq.t5", f"data.input_key=[{','.join(fields)}]",
+                 "data.target_key=labels", target="tests.seq2seq.pairs")
+    d = cfg.data
+    assert (d.task, d.seq_len, d.vocab_size, d.input_key, cfg.loss.name) == ("lm", 8, 48, fields, "output")
+    assert list(d.spec["named"]) == fields and d.spec["input"] == d.spec["named"]["input_ids"]
+    x, y = build_data(d, 0, 32).batch(1, CPU)
+    assert list(x) == fields and x["labels"].shape == y.shape == (32, 6) and torch.equal(x["labels"], y)
+    assert [part["attention_mask"].shape[0] for part in split_rows(x, 4)] == [8] * 4
+    assert torch.equal(split_rows(x, 4)[1]["input_ids"], x["input_ids"][8:16])
+    planned = example_input(d, 3, CPU)
+    assert planned["input_ids"].shape == (3, 8) and bool((planned["attention_mask"] == 1).all())
+    assert as_call(planned) == ((), planned) and as_call(y) == ((y,), {})
+
+
+def test_fields_by_name_of_a_stream_split_into_shards_interleave_as_a_dict():
+    parts = [({"a": torch.arange(3), "b": torch.arange(3) * 10}, torch.arange(3)),
+             ({"a": torch.arange(3, 5), "b": torch.arange(3, 5) * 10}, torch.arange(3, 5))]
+    plan = ShardPlan(shards=2, workers=2)  # shard 0 read by worker 0, shard 1 by worker 1
+    x, y = interleave_rows(plan, [0, 1, 2, 3, 4], parts)
+    assert torch.equal(x["b"], x["a"] * 10) and torch.equal(x["a"], y) and sorted(y.tolist()) == [0, 1, 2, 3, 4]
 
 
 # (overrides, target, key the one-line error names, text it holds)
@@ -171,6 +200,9 @@ BAD = [
     (["data.eval_fraction=0.1"], "tests.user_data.regression", "data.eval_fraction", "fewer than one global batch"),
     (["data.collate._target_=tests.user_data.regression"], "tests.user_data.regression", "data.collate._target_",
      "collating a sample failed"),
+    (["data.input_key=[0,0]"], "tests.user_data.regression", "data.input_key", "must name each once"),
+    (["data.input_key=[0]"], "tests.user_data.regression", "data.input_key", "need dict samples; these are tuples"),
+    (["data.input_key=[x,pixels]"], "tests.user_data.hf_classification", "data.input_key", "['x', 'labels']"),
 ]
 
 

@@ -25,7 +25,7 @@ def _cfg(model: str, args: dict | None = None, plan=(), tp: int | None = 2, **da
 
 def _plan(cfg: Config) -> dict[str, str]:
     validate(cfg, cfg.strategy.tp)
-    return resolve_plan(build_meta_model(cfg.model), cfg, example_input(cfg.data))
+    return resolve_plan(build_meta_model(cfg.model), cfg, (example_input(cfg.data),))
 
 
 def test_llama_takes_its_own_plan_in_the_frameworks_style_names():

@@ -107,6 +107,27 @@ def resolve_key(sample: Any, key: str | None, which: str) -> str:
          "and the target", "(input, target), {'x': ..., 'y': ...}, {'input_ids': ..., 'labels': ...}")
 
 
+def resolve_input_keys(sample: Any, keys: Any) -> str | list[str]:
+    """data.input_key resolved (`resolve_key`): one field, or a list of fields passed by name (Note [inputs by
+    name] in parallel/tensors.py), each checked; a ConfigError for a list over samples that are not dicts."""
+    if keys is None or isinstance(keys, (str, int)):
+        return resolve_key(sample, keys, "input")
+    keys = [str(k) for k in keys]
+    if not keys or len(set(keys)) != len(keys):
+        fail("data.input_key", keys, "a list of fields passed to the forward by name must name each once")
+    if not isinstance(sample, Mapping):
+        fail("data.input_key", keys, f"fields passed by name need dict samples; these are "
+             f"{type(sample).__name__}s", "one index, or samples that are dicts")
+    return [resolve_key(sample, k, "input") for k in keys]
+
+
+def input_of(sample: Any, key: str | list[str]) -> Any:
+    """A sample's (or a collated batch's) input: the field `key`, or the fields of a list by name, as tensors."""
+    if isinstance(key, list):
+        return {k: as_tensor(pick(sample, k)) for k in key}
+    return as_tensor(pick(sample, key))
+
+
 def pick(sample: Any, key: str) -> Any:
     """The field `key` (as `resolve_key` returned it) of a sample or of a collated batch."""
     return sample[key] if isinstance(sample, Mapping) else sample[int(key)]
@@ -124,13 +145,14 @@ def as_tensor(value: Any) -> torch.Tensor:
 
 
 class Collate:
-    """A list of samples -> (inputs, targets): each sample's two fields collated by PyTorch's default_collate,
-    or the whole samples by the user's `data.collate._target_`, whose batch the keys then read.
+    """A list of samples -> (inputs, targets): each sample's input (a field, or a dict of fields by name) and
+    target collated by PyTorch's default_collate, or the whole samples by the user's `data.collate._target_`,
+    whose batch the keys then read.
 
     Picklable (it runs in the loader's worker processes).
     """
 
-    def __init__(self, input_key: str, target_key: str, user: str | None = None):
+    def __init__(self, input_key: str | list[str], target_key: str, user: str | None = None):
         self.input_key, self.target_key, self.user = input_key, target_key, user
         self._fn = None
 
@@ -139,17 +161,22 @@ class Collate:
 
     def __call__(self, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
         if self.user is None:
-            pairs = [(as_tensor(pick(s, self.input_key)), as_tensor(pick(s, self.target_key))) for s in samples]
+            pairs = [(input_of(s, self.input_key), as_tensor(pick(s, self.target_key))) for s in samples]
             return default_collate(pairs)
         if self._fn is None:
             self._fn = import_callable("data.collate._target_", self.user)
         batch = self._fn(samples)
-        return as_tensor(pick(batch, self.input_key)), as_tensor(pick(batch, self.target_key))
+        return input_of(batch, self.input_key), as_tensor(pick(batch, self.target_key))
+
+
+def configured_input_key(key: Any) -> str | list[str]:
+    """data.input_key as the config holds it once resolved: one field, or the list of fields by name."""
+    return str(key) if isinstance(key, (str, int)) else [str(k) for k in key]
 
 
 def collate_of(d) -> Collate:
     """The collation data.collate asks for, reading the keys the config holds (resolved before the start)."""
-    return Collate(str(d.input_key), str(d.target_key), (d.collate or {}).get("_target_"))
+    return Collate(configured_input_key(d.input_key), str(d.target_key), (d.collate or {}).get("_target_"))
 
 
 def _spec(t: torch.Tensor) -> dict:
@@ -171,9 +198,10 @@ def _count(ds: Any, names: tuple[str, ...], key: str) -> int | None:
 
 
 def infer_task(x: torch.Tensor, y: torch.Tensor) -> str:
-    """The task a sample's (input, target) suggests: lm (token ids in, the same shape of ids out),
-    classification (one integer label), regression (floating-point targets)."""
-    if not x.is_floating_point() and not y.is_floating_point() and x.dim() == 1 and y.shape == x.shape:
+    """The task a sample's (input, target) suggests: lm (a sequence of token ids in, one of ids out: the same
+    shape, or an encoder-decoder's target of its own length), classification (one integer label), regression
+    (floating-point targets)."""
+    if not x.is_floating_point() and not y.is_floating_point() and x.dim() == 1 and y.dim() == 1:
         return "lm"
     if not y.is_floating_point() and y.dim() == 0:
         return "classification"

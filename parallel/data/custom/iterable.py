@@ -13,6 +13,7 @@ from parallel.config import DataConfig
 from parallel.data.custom.dataset import Collate, build_dataset, collate_of
 from parallel.data.custom.loader import _Reader
 from parallel.data.custom.split import Parts, ShardPlan, interleave, interleave_rows, merge_states, shard_count
+from parallel.tensors import to_device
 
 log = logging.getLogger("parallel")
 
@@ -147,7 +148,7 @@ class IterData(_Reader):
             self.states[step] = state
             for old in [k for k in self.states if k < step - 2]:
                 del self.states[old]
-        return x.to(device), y.to(device)
+        return to_device(x, device), y.to(device)
 
     def state_dict(self) -> dict | None:
         """The stream's state after each of the last steps read (None: the dataset keeps none). A split

@@ -13,6 +13,7 @@ from parallel.config import DataConfig
 from parallel.data.custom.dataset import Collate, build_dataset, collate_of
 from parallel.data.custom.probe import held_out_count
 from parallel.init import name_seed
+from parallel.tensors import to_device
 
 
 def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -143,4 +144,4 @@ class MapData(_Reader):
         """This rank's slice of the global batch of `step`, on `device`; the next ones load meanwhile."""
         x, y = self._fetch(step, device)
         blocking = device.type != "cuda"
-        return x.to(device, non_blocking=not blocking), y.to(device, non_blocking=not blocking)
+        return to_device(x, device, non_blocking=not blocking), y.to(device, non_blocking=not blocking)

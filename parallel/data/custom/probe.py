@@ -17,9 +17,11 @@ from parallel.data.custom.dataset import (
     import_callable,
     infer_task,
     is_iterable,
+    resolve_input_keys,
     resolve_key,
 )
 from parallel.data.custom.split import check_split
+from parallel.tensors import main_field
 
 
 def _plain(value: Any) -> Any:
@@ -35,8 +37,9 @@ def _user_batch(user: str, sample: Any) -> Any:
         fail("data.collate._target_", user, f"collating a sample failed: {error_text(e)}")
 
 
-def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sample through the configured collation -> its (input, target) tensors."""
+def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[Any, torch.Tensor]:
+    """One sample through the configured collation -> its input (a tensor, or a dict of them by name) and
+    target."""
     try:
         x, y = collate([sample])
     except ConfigError:
@@ -44,9 +47,18 @@ def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[tor
     except Exception as e:  # noqa: BLE001 - a user's collate function, or fields default_collate cannot stack
         key, target = ("data.collate._target_", collate.user) if collate.user else (key, target)
         fail(key, target, f"collating a sample failed: {error_text(e)}")
-    if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.dim() == 0:
+    fields = list(x.values()) if isinstance(x, dict) else [x]
+    if not all(torch.is_tensor(t) and t.dim() for t in fields) or not torch.is_tensor(y):
         fail(key, target, "the batch's input must be a tensor with a sample dimension")
-    return x[0], y[0]
+    return ({k: v[0] for k, v in x.items()} if isinstance(x, dict) else x[0]), y[0]
+
+
+def _input_spec(x: Any) -> dict:
+    """data.spec's input entries: the main field's `input`, and every field's by name (`named`)."""
+    spec = {"input": _spec(main_field(x))}
+    if isinstance(x, dict):
+        spec["named"] = {k: _spec(v) for k, v in x.items()}
+    return spec
 
 
 def read_custom_hints(d) -> dict:
@@ -61,13 +73,14 @@ def read_custom_hints(d) -> dict:
     sample = first_sample("data._target_", target, ds)
     user = (_plain(d.collate) or {}).get("_target_")
     fields = _user_batch(user, sample) if user else sample  # the keys name fields of what the model is fed
-    ik, tk = resolve_key(fields, d.input_key, "input"), resolve_key(fields, d.target_key, "target")
-    x, y = _collated("data._target_", target, Collate(ik, tk, user), sample)
+    ik, tk = resolve_input_keys(fields, _plain(d.input_key)), resolve_key(fields, d.target_key, "target")
+    named, y = _collated("data._target_", target, Collate(ik, tk, user), sample)
+    x = main_field(named)  # the field the task and the sizes are read from (Note [inputs by name])
     task = infer_task(x, y) if d.task == "auto" else d.task
     hints: dict[str, Any] = {
         "task": task, "input_key": ik, "target_key": tk,
         "inputs": "features" if x.is_floating_point() else "tokens",
-        "spec": {"input": _spec(x), "target": _spec(y), "iterable": is_iterable(ds),
+        "spec": {**_input_spec(named), "target": _spec(y), "iterable": is_iterable(ds),
                  "samples": None if is_iterable(ds) else len(ds),
                  "shards": check_split("data._target_", target, ds) if is_iterable(ds) else None},
     }
@@ -84,7 +97,7 @@ def read_custom_hints(d) -> dict:
         _below("data.vocab_size", hints["vocab_size"], y, "target")
     eval_cfg = _plain(d.eval) or {}
     if eval_cfg.get("_target_"):
-        hints["spec"]["eval_samples"] = _check_eval_sample(eval_cfg, Collate(ik, tk, user), x, y)
+        hints["spec"]["eval_samples"] = _check_eval_sample(eval_cfg, Collate(ik, tk, user), named, y)
     return hints
 
 
@@ -104,20 +117,20 @@ def _below(key: str, value: int, t: torch.Tensor, what: str) -> None:
         fail(key, value, f"the first sample's {what} holds id {int(t.max())}: ids must be below {key}")
 
 
-def _check_eval_sample(eval_cfg: dict, collate: Collate, x: torch.Tensor, y: torch.Tensor) -> int | None:
+def _check_eval_sample(eval_cfg: dict, collate: Collate, x: Any, y: torch.Tensor) -> int | None:
     """data.eval's dataset gives samples of the training samples' fields, shapes and dtypes; returns its
     sample count (None: a stream)."""
     target = eval_cfg["_target_"]
     ds = build_dataset("data.eval._target_", target, eval_cfg.get("args") or {})
     sample = first_sample("data.eval._target_", target, ds)
     fields = _user_batch(collate.user, sample) if collate.user else sample
-    resolve_key(fields, collate.input_key, "input"), resolve_key(fields, collate.target_key, "target")
+    resolve_input_keys(fields, collate.input_key), resolve_key(fields, collate.target_key, "target")
     ex, ey = _collated("data.eval._target_", target, collate, sample)
     if is_iterable(ds):
         check_split("data.eval._target_", target, ds)
-    if _spec(ex) != _spec(x) or _spec(ey) != _spec(y):
-        fail("data.eval._target_", target, f"its samples (input {_spec(ex)}, target {_spec(ey)}) differ from the "
-             f"training samples' (input {_spec(x)}, target {_spec(y)})")
+    if _input_spec(ex) != _input_spec(x) or _spec(ey) != _spec(y):
+        fail("data.eval._target_", target, f"its samples (input {_input_spec(ex)}, target {_spec(ey)}) differ "
+             f"from the training samples' (input {_input_spec(x)}, target {_spec(y)})")
     return None if is_iterable(ds) else len(ds)
 
 

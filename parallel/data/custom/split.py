@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import IterableDataset, get_worker_info
 
 from parallel.config import error_text, fail
@@ -117,13 +118,16 @@ def interleave(plan: ShardPlan, kept: list[int], parts: list[list]) -> list:
 
 
 def interleave_rows(plan: ShardPlan, kept: list[int], parts: list[tuple[torch.Tensor, ...]]) -> tuple:
-    """`interleave` for parts collated row by row (each reader's (inputs, targets), a row a sample)."""
+    """`interleave` for parts collated row by row (each reader's (inputs, targets), a row a sample; inputs by
+    name are a dict of such tensors: Note [inputs by name] in parallel/tensors.py)."""
+    flat = [tree_flatten(part) for part in parts]
     offsets, order = 0, []
-    for part in parts:
-        order.append(range(offsets, offsets + len(part[0])))
-        offsets += len(part[0])
+    for leaves, _ in flat:
+        order.append(range(offsets, offsets + len(leaves[0])))
+        offsets += len(leaves[0])
     index = torch.tensor(interleave(plan, kept, order), dtype=torch.long)
-    return tuple(torch.cat([part[i] for part in parts])[index] for i in range(len(parts[0])))
+    merged = [torch.cat(column)[index] for column in zip(*(leaves for leaves, _ in flat))]
+    return tree_unflatten(merged, flat[0][1])
 
 
 def merge_states(per_rank: list[dict]) -> dict:

@@ -44,7 +44,8 @@ def example_microbatch(cfg: Config, dp: int) -> tuple:
     """The positional inputs of one microbatch (meta tensors), as the data source will hand them out; under
     context parallelism (strategy=hybrid), this rank's chunks of each sequence and their positions (Note
     [context parallelism under the pipeline] in parallel/strategies/context/__init__.py)."""
-    example = example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg))
+    # One input tensor: inputs by name are refused under pipeline (Note [inputs by name] in parallel/tensors.py).
+    example = (example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg)),)
     cp = cfg.strategy.cp
     if cp == 1:
         return example

@@ -57,6 +57,7 @@ from parallel.runtime import Runtime
 from parallel.strategies.tensor.checks import check_heads, check_module, check_ties
 from parallel.strategies.tensor.infer import infer_plan
 from parallel.strategies.tensor.styles import STYLES, make_style
+from parallel.tensors import as_call
 
 __all__ = ["STYLES", "apply_tensor", "check_plan", "check_tensor_keys", "infer_plan", "resolve_plan", "shard",
            "tensor_plan"]
@@ -158,7 +159,7 @@ def _expand(model: nn.Module, patterns: dict[str, str], strict: bool = True) -> 
 
 def tensor_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
     """The checked plan for `model` (on meta); an inferred or a Hugging Face one is printed."""
-    plan, source = _resolve(model, cfg, example_input(cfg.data))
+    plan, source = _resolve(model, cfg, as_call(example_input(cfg.data))[0])
     if source in ("inferred", "hugging face"):
         what = "inferred" if source == "inferred" else f"{type(model).__name__}'s own (Hugging Face)"
         log.info("%s tensor-parallel plan (set strategy.tp_plan to change it): %s", what,
@@ -216,4 +217,4 @@ def check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
 def check_plan(model: nn.Module, cfg: Config) -> None:
     """The plan resolves against the model (on meta): styles known, patterns matched, widths and head counts
     divisible, tied weights split alike."""
-    resolve_plan(model, cfg, example_input(cfg.data))
+    resolve_plan(model, cfg, as_call(example_input(cfg.data))[0])
