@@ -290,7 +290,7 @@ class Bench:
     def plan(self, name: str) -> int:
         """launch/plan.py's predicted peak (rank 0's total) for configuration `name`."""
         run_dir = self.tmp / f"plan-{name}"
-        cmd = [sys.executable, str(ROOT / "launch" / "plan.py"), *self.overrides(name), "world_size=1",
+        cmd = [sys.executable, str(ROOT / "launch" / "plan.py"), *self.overrides(name), "nproc=1",
                f"run_dir={run_dir}"]
         proc = self.start(cmd, self.env, self.a.timeout)
         if proc.returncode != 0 or not (run_dir / "plan.json").exists():

@@ -121,7 +121,7 @@ def compare(a, part: str, tmp: Path) -> dict:
 def predict(a, part: str, tmp: Path) -> list[int]:
     """launch/plan.py's total per rank for the configuration of `part`."""
     cmd = [sys.executable, str(ROOT / "launch" / "plan.py"), *model_args(a), *strategy_args(a, part),
-           f"world_size={P}", f"run_dir={tmp / ('plan-' + part)}"]
+           f"nproc={P}", f"run_dir={tmp / ('plan-' + part)}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(a), cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(_reason(proc))

@@ -92,7 +92,7 @@ def main() -> None:
                 d = Path(tmp) / f"{hidden}-{name.replace(' ', '_')}"
                 run("train.py", common + args + [f"nproc={world}", "trainer.steps=2", "trainer.log_every=1",
                                                  "trainer.progress=false", f"run_dir={d / 'run'}"])
-                run("plan.py", common + args + [f"world_size={world}", f"run_dir={d / 'plan'}"])
+                run("plan.py", common + args + [f"nproc={world}", f"run_dir={d / 'plan'}"])
                 measured = json.loads((d / "run" / "metrics.jsonl").read_text().splitlines()[-1])
                 measured = measured["mem_peak_bytes_per_rank"]
                 plans = json.loads((d / "plan" / "plan.json").read_text())["ranks"]

@@ -27,7 +27,7 @@ TIMEOUT_S = 600  # one plan takes seconds here; a process that has not ended by 
 
 def priced(overrides: list[str], world: int, calibration: str, run_dir: Path) -> dict[str, float]:
     """One fresh launch/plan.py process: the predicted terms of its plan.json, in seconds."""
-    subprocess.run([sys.executable, str(ROOT / "launch" / "plan.py"), *overrides, f"world_size={world}",
+    subprocess.run([sys.executable, str(ROOT / "launch" / "plan.py"), *overrides, f"nproc={world}",
                     f"plan.calibration={calibration}", f"run_dir={run_dir}"],
                    check=True, capture_output=True, cwd=ROOT, timeout=TIMEOUT_S)
     return json.loads((run_dir / "plan.json").read_text())["step_time"]["predicted_s"]

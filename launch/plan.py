@@ -1,6 +1,6 @@
 """How much memory each rank will need, before running (docs/planning.md).
 
-    python launch/plan.py [the overrides train.py takes] world_size=N [plan.by_module=true] [plan.top=K]
+    python launch/plan.py [the overrides train.py takes] nproc=N [plan.by_module=true] [plan.top=K]
 
 Builds the configured model and strategy under fake tensors and a fake process
 group, runs one training step symbolically for each rank role (Note [planner]
@@ -8,7 +8,7 @@ in parallel/planner.py), prints a table and writes plan.json and its picture,
 memory.png, into the run dir. No GPU, no workers and no real memory are used:
 trainer.device=cuda plans a CUDA run from any host (Note [planning for CUDA] in
 parallel/plan_cuda.py). strategy=auto plans its candidates first and then the
-one it picks (parallel.auto). world_size defaults to nproc (or 1).
+one it picks (parallel.auto). nproc is the world size planned (default 1).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from parallel.auto import choose, device_budget, disk_bandwidth, table  # noqa: E402
-from parallel.config import ConfigError, bf16_run, cuda_run, strategy_spec  # noqa: E402
+from parallel.config import ConfigError, bf16_run, cuda_run, positive, strategy_spec  # noqa: E402
 from parallel.cost import calibration_for, describe, replay_for, step_times  # noqa: E402
 from parallel.entry import check_choices, reported  # noqa: E402
 from parallel.memory.budget import budget_bytes  # noqa: E402
@@ -34,32 +34,14 @@ from parallel.planner import KINDS, plan  # noqa: E402
 from parallel.units import human_bytes  # noqa: E402
 from parallel.validate import to_config, validate  # noqa: E402
 
-OPTIONS = {"world_size": None, "plan.by_module": False, "plan.top": 20}
 
-
-def _take_options(argv: list[str]) -> dict:
-    """Pull the planner's own options out of the command line; the rest is Hydra's."""
-    options = dict(OPTIONS)
-    keep = []
+def _refuse_world_size(argv: list[str]) -> None:
+    """`world_size=N`, the option this script once took: the world size is `nproc` here as in train.py."""
     for arg in argv:
-        key, _, value = arg.partition("=")
-        if key not in OPTIONS:
-            keep.append(arg)
-            continue
-        try:
-            if key == "plan.by_module":
-                if value.lower() not in ("true", "false"):
-                    raise ValueError
-                options[key] = value.lower() == "true"
-            else:
-                options[key] = int(value)
-                if options[key] < 1:
-                    raise ValueError
-        except ValueError:
-            rule = "must be true or false" if key == "plan.by_module" else "must be an integer >= 1"
-            raise ConfigError(f"{key}={value!r}: {rule}") from None
-    argv[:] = keep
-    return options
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "world_size":
+            raise ConfigError(f"world_size={value!r}: launch/plan.py takes the world size as train.py does: "
+                              f"nproc={value}")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -72,9 +54,13 @@ def _ranks(ranks: list[int]) -> str:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 @reported
 def main(dcfg: DictConfig) -> None:
-    options = OPTIONS_GIVEN
     cfg = to_config(dcfg)
-    world = options["world_size"] or cfg.nproc or 1
+    if cfg.nproc is not None:
+        positive("nproc", cfg.nproc)
+    world = cfg.nproc or 1
+    if cfg.plan.top < 1:
+        raise ConfigError(f"plan.top={cfg.plan.top}: must be an integer >= 1 (the rows plan.by_module prints)")
+    by_module = cfg.plan.by_module
     cfg.nproc = None
     validate(cfg, world)
     # As train.py's: run_dir, else Hydra's (hydra.run.dir, or its dated default); fixed before planning.
@@ -84,12 +70,12 @@ def main(dcfg: DictConfig) -> None:
         budget = device_budget(cfg, world)
         cfg, found = choose(cfg, world, Path(run_dir))
         print(table(found, f"budget {human_bytes(budget)} per rank"))
-    plans = plan(cfg, world, by_module=options["plan.by_module"])
+    plans = plan(cfg, world, by_module=by_module)
     os.makedirs(run_dir, exist_ok=True)
     cuda = cuda_run(cfg.trainer.device)
     head = f"{'rank':>4}  {'ranks alike':<12}" + "".join(f"{k:>12}" for k in KINDS) + f"{'total':>12}  peak in"
     print(f"plan{' for CUDA' if cuda else ''}: strategy={cfg.strategy.name} model={cfg.model._target_ or cfg.model.name}"
-          f" world_size={world} batch_size={cfg.trainer.batch_size} ("
+          f" nproc={world} batch_size={cfg.trainer.batch_size} ("
           + ("bytes the CUDA caching allocator holds at each rank's peak, as torch.cuda.max_memory_allocated counts"
              if cuda else "bytes of live tensors at each rank's peak") + ")")
     print(head)
@@ -104,8 +90,8 @@ def main(dcfg: DictConfig) -> None:
     record["step_time"] = _step_time(cfg, plans, world, run_dir)  # auto's pick: its plan priced with auto's rates
     if found is not None:
         record["auto"] = [vars(c) for c in found]
-    if options["plan.by_module"] and plans[0].by_module:
-        rows = plans[0].by_module[:options["plan.top"]]
+    if by_module and plans[0].by_module:
+        rows = plans[0].by_module[:cfg.plan.top]
         print(f"\nby module, rank {plans[0].rank} (own parameters, saved for backward, forward temporaries), "
               f"largest first:")
         width = max(len(r["name"]) for r in rows)
@@ -113,7 +99,7 @@ def main(dcfg: DictConfig) -> None:
         for r in rows:
             print(f"{r['name']:<{width}}  {r['type'][:19]:<20}{human_bytes(r['params']):>12}{human_bytes(r['saved']):>12}"
                   f"{human_bytes(r['temp']):>12}{human_bytes(r['total']):>12}")
-    if options["plan.by_module"]:
+    if by_module:
         record["by_module"] = plans[0].by_module
     for path in _write(run_dir, record, budget_bytes(cfg.memory)):
         print(f"written: {path}")
@@ -169,18 +155,15 @@ def _write(run_dir: str, record: dict, budget: int | None) -> list[str]:
     labels = [f"rank {p['rank']}" if p["same_as"] == [p["rank"]] else f"ranks {_ranks(p['same_as'])}" for p in ranks]
     cuda = record.get("device") == "cuda"
     picture = write_memory(os.path.join(run_dir, "memory.png"), labels, {k: [p[k] for p in ranks] for k in KINDS},
-                           budget, f"plan{' for CUDA' if cuda else ''}: strategy={record['strategy']} world_size="
+                           budget, f"plan{' for CUDA' if cuda else ''}: strategy={record['strategy']} nproc="
                            f"{record['world_size']}\n" + ("CUDA memory allocated" if cuda else "live tensors")
                            + " at each rank's peak")
     return [path, str(picture)]
 
 
-OPTIONS_GIVEN: dict = {}
-
-
 def _run() -> None:
+    _refuse_world_size(sys.argv[1:])  # before the settings' check, which knows no such key
     check_choices(sys.argv[1:], Path(__file__).resolve().parents[1] / "conf")  # one line, exit 2
-    OPTIONS_GIVEN.update(_take_options(sys.argv))
     main()
 
 

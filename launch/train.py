@@ -78,8 +78,10 @@ def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
     picked = next(c for c in found if c.dropped is None)
     print(f"auto: running {picked.name} ({' '.join(picked.overrides)})")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    Path(run_dir, "auto.json").write_text(json.dumps(
-        {"chosen": picked.overrides, "candidates": [vars(c) for c in found]}, indent=2))
+    # The prediction the run logs beside its measured step time (parallel.throughput.auto_prediction).
+    Path(run_dir, "auto.json").write_text(json.dumps({"chosen": picked.overrides, "predicted_step_time_s":
+                                                      picked.times["step"], "candidates": [vars(c) for c in found]},
+                                                     indent=2))
     chart(found, budget, Path(run_dir, "auto.png"))
     return to_dict(chosen)
 

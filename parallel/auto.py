@@ -28,8 +28,8 @@ calibration.json of launch/calibrate.py, Note [calibration]), else with this
 process's measured at start. The table shows every term: compute, bubble,
 comm, transfers (offload's disk bytes / the disk bandwidth measured at start)
 and their sum. A run started by auto logs the prediction beside the measured
-step time (metrics.jsonl predicted_step_time_s), so every run shows the
-model's error.
+step time (metrics.jsonl predicted_step_time_s, read from the run's auto.json:
+parallel.throughput.auto_prediction), so every run shows the model's error.
 
 Expert parallelism's all-to-alls are in comm as the planned step makes them
 (the balanced stand-in runs the shard's own exchange, Note [moe layer]): per
@@ -232,7 +232,6 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
                           f"{smallest.peak / 1e6:.2f} MB per rank")
     chosen = _apply(cfg, fits[0].overrides)
     chosen.run_dir = cfg.run_dir
-    chosen.plan.predicted_step_time_s = fits[0].times["step"]
     validate(chosen, world)
     return chosen, sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
 

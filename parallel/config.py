@@ -311,9 +311,9 @@ class PlanConfig:
     # calibration.json made by launch/calibrate.py (Note [calibration] in parallel/calibration.py): the rates
     # launch/plan.py and strategy=auto price a step with; None: this process measured at start.
     calibration: Optional[str] = None
-    # Set by strategy=auto on the run it starts: the step time it predicted, logged beside the measured one at
-    # the first logged step (metrics.jsonl predicted_step_time_s).
-    predicted_step_time_s: Optional[float] = None
+    # launch/plan.py: each module's bytes on the first rank (plan.json by_module), its `top` largest printed.
+    by_module: bool = False
+    top: int = 20
 
 
 @dataclass

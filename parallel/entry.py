@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import atexit
+import difflib
 import functools
 import os
 import re
@@ -36,7 +37,8 @@ _CHOICE = re.compile(r"^(?P<group>[a-z_]+)=(?P<options>[\w.,/-]+)$")
 def check_choices(argv: list[str], conf: Path) -> None:
     """A config group's option that no config file holds, as a ConfigError naming the valid ones (Hydra's own
     message says the same in a paragraph, exit status 1): before Hydra composes anything. The groups are conf/'s
-    folders; a `--config-dir DIR` (`-cd`) adds its own options."""
+    folders; a `--config-dir DIR` (`-cd`) adds its own options. Then the settings' keys and values
+    (`check_settings`)."""
     dirs = [conf]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
@@ -51,6 +53,46 @@ def check_choices(argv: list[str], conf: Path) -> None:
         for option in m["options"].split(","):
             if option not in valid:
                 raise ConfigError(f"{m['group']}={option}: no such {m['group']} (valid: {', '.join(valid)})")
+    check_settings(argv, {p.name for d in dirs if d.is_dir() for p in d.iterdir() if p.is_dir()})
+
+
+# `key=value` setting a config value (not `+key=`, `~key`, a flag or a group's option, which _CHOICE reads).
+_SETTING = re.compile(r"^(?P<key>[a-z_]\w*(?:\.\w+)*)=(?P<value>.*)$")
+
+
+def check_settings(argv: list[str], groups: set[str] = frozenset()) -> None:
+    """A setting of a key no schema has, or of a value its type cannot take (`trainer.stepz=5`,
+    `trainer.steps=abc`, `plan.by_module=maybe`), as a ConfigError naming the key, the rule and the valid keys
+    (Hydra's own message says it in a paragraph, exit status 1): before Hydra composes anything. The groups
+    that take keys beyond their schema (a `_target_`'s arguments, the strategy's keys) are checked where they
+    are read; a sweep (`a,b`), a sweep function, an interpolation or a quoted value is left to Hydra.
+    `groups`: the config groups, whose `group=option` check_choices reads."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    from parallel.config import schema
+
+    root = schema()
+    for arg in argv:
+        m = _SETTING.match(arg)
+        if m is None or m["key"].startswith("hydra.") or m["key"] in groups:
+            continue
+        key, value = m["key"], m["value"]
+        swept = "," in value and not (value.startswith("[") and value.endswith("]"))
+        if not value or swept or any(c in value for c in "()$'\"*?"):
+            continue
+        try:
+            OmegaConf.merge(root, OmegaConf.from_dotlist([arg]))
+        except ConfigKeyError:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(root, parent) if parent else root
+            fields = [str(k) for k in node.keys()] if node is not None else []
+            close = difflib.get_close_matches(leaf, fields, n=1)
+            hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+            raise ConfigError(f"{key}={value}: no such key{f' of {parent}' if parent else ''}{hint} (valid: "
+                              f"{fields})") from None
+        except ValidationError as e:
+            raise ConfigError(f"{key}={value}: {str(e).splitlines()[0]}") from None
 
 
 def reported(main: Callable) -> Callable:

@@ -28,6 +28,9 @@ the last log):
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -51,13 +54,14 @@ class Throughput:
     """
 
     def __init__(self, tokens_per_step: int | None = None, flops_per_step: int | None = None,
-                 world_size: int = 1, peak: float | None = None):
+                 world_size: int = 1, peak: float | None = None, predicted: float | None = None):
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
-        self.world_size, self.peak = world_size, peak
+        self.world_size, self.peak, self.predicted = world_size, peak, predicted
 
     @classmethod
-    def start(cls, cfg: Config, device: torch.device, is_logger: bool) -> Throughput:
-        """Count the model's FLOPs and find the device's peak (logged once); an empty one off the logging rank."""
+    def start(cls, cfg: Config, device: torch.device, is_logger: bool, run_dir: Path | None = None) -> Throughput:
+        """Count the model's FLOPs and find the device's peak (logged once), and read the step time strategy=auto
+        predicted for the run it started in `run_dir` (`auto_prediction`); an empty one off the logging rank."""
         if not is_logger:
             return cls()
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -68,7 +72,7 @@ class Throughput:
         log.info("throughput: %s; device peak %s", "model FLOPs not counted" if flops is None else
                  f"{flops:.4g} model FLOPs per step (forward + backward of the global batch)",
                  f"{peak / 1e12:.4g} TFLOP/s ({source})" if peak else f"unknown ({source})")
-        return cls(tokens, flops, world, peak)
+        return cls(tokens, flops, world, peak, auto_prediction(run_dir) if run_dir is not None else None)
 
     def record(self, step_time: float) -> dict:
         """The figures of a logged step whose mean step time is `step_time` seconds."""
@@ -80,7 +84,19 @@ class Throughput:
             out.update(flops_per_step=self.flops_per_step, tflops_per_rank=achieved / 1e12)
             if self.peak:
                 out["mfu"] = achieved / self.peak
+        if self.predicted is not None:
+            out["predicted_step_time_s"] = self.predicted
         return out
+
+
+def auto_prediction(run_dir: Path) -> float | None:
+    """The step time strategy=auto predicted for the candidate it started (Note [cost model] in
+    parallel/cost.py), as launch/train.py wrote it into the run's auto.json; None for a run auto did not
+    choose."""
+    path = Path(run_dir) / "auto.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("predicted_step_time_s")
 
 
 def text(record: dict) -> str:

@@ -208,7 +208,7 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     checkpoints = checkpoint.Checkpointer(cfg, run_dir)
     memory = PeakMemory(run.device)
     profiling = Profiling(t, run_dir, run.device)  # trainer.profile, trainer.memory_snapshot
-    speed = Throughput.start(cfg, run.device, run.is_logger)  # Note [throughput] in parallel/throughput.py
+    speed = Throughput.start(cfg, run.device, run.is_logger, run_dir)  # Note [throughput] in parallel/throughput.py
     guard = Guard(t, run_dir)  # Note [non-finite steps] in parallel/nonfinite.py
     bar = progress_bar(t.steps, start, run.is_logger and t.progress)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole
@@ -306,9 +306,6 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
         "samples_per_s": t.batch_size / step_time,
     }
     record.update(speed.record(step_time) if speed else {})
-    predicted = run.cfg.plan.predicted_step_time_s  # set by strategy=auto (Note [cost model] in parallel/cost.py)
-    if predicted is not None:
-        record["predicted_step_time_s"] = predicted
     record.update(run.engine.metrics())
     record.update(moe_record(run.engine.state_modules(), run.cfg.strategy.tp or 1))
     record.update(memory_record(memory))
@@ -321,7 +318,8 @@ def log_step(run: Run, metrics: Metrics, memory: PeakMemory, window: "_Window", 
     if run.is_logger:  # elsewhere the loss may be a placeholder (pipeline stages without it)
         log.info("step %d  loss %.6f  grad_norm %.4f  %.1f samples/s%s%s", step, loss_value,
                  record["grad_norm"], record["samples_per_s"], text(record),
-                 f"  step {step_time * 1e3:.1f} ms (auto predicted {predicted * 1e3:.1f})" if predicted else "")
+                 f"  step {step_time * 1e3:.1f} ms (auto predicted {predicted * 1e3:.1f})"
+                 if (predicted := record.get("predicted_step_time_s")) else "")
     return record
 
 

@@ -230,7 +230,7 @@ def out_of_memory(e: BaseException, cfg: Config, model: nn.Module | None, device
     peak = planned_peak(cfg, run_dir)
     plan = f"the plan predicts {human_bytes(peak)} at its largest rank (strategy=auto, auto.json)" \
         if peak is not None else \
-        f"no plan was made for this run (python launch/plan.py <its overrides> world_size={world} predicts each " \
+        f"no plan was made for this run (python launch/plan.py <its overrides> nproc={world} predicts each " \
         f"rank's peak)"
     tries = changes(cfg, world, at.phase)
     advice = f"try {', then '.join(tries)}" if tries else "no config change of the run's lowers its peak further"

@@ -156,10 +156,20 @@ USER_MISTAKES = [
                           "['steps', "),
     (["+model.lora.rr=2"], "config error: model.lora.rr=2: no such key of model.lora; did you mean model.lora.r? "),
     (["+foo=1"], "config error: foo=1: no such key (valid: ['strategy', "),
+    # a key no schema has, and a value its type cannot take: Hydra's paragraph and exit 1 before
+    (["trainer.stepz=5"], "config error: trainer.stepz=5: no such key of trainer; did you mean trainer.steps? "),
+    (["trainer.steps=abc"], "config error: trainer.steps=abc: Value 'abc' of type 'str' could not be converted to "
+                            "Integer"),
     # a forward the batch cannot fill fails before the first step, not with a TypeError in it
     (["model=custom", "model._target_=tests.user_model.needs_a_mask"],
      "config error: model._target_='tests.user_model.needs_a_mask': its forward(x, mask) takes arguments a batch "
      "cannot fill (missing a required argument: 'mask')"),
+    # a plan whose styles fit their layers but not the forward between them (SwiGLU's up left whole), rehearsed on
+    # fake tensors (Note [plan rehearsal]): the workers would fail at their first forward
+    (["model=custom", "model._target_=tests.user_model.swiglu", "nproc=2", "strategy=model",
+      "strategy.tp_plan=[blocks.*.w1:colwise,blocks.*.w2:rowwise]"],
+     "config error: strategy.tp_plan=['blocks.*.w1:colwise', 'blocks.*.w2:rowwise']: a rank's forward in blocks.0 "
+     "(SwiGLUBlock, which holds blocks.0.w1:colwise, blocks.0.w2:rowwise) under tp 2 fails (RuntimeError: "),
 ]
 
 
@@ -235,7 +245,7 @@ def test_out_of_gpu_memory_is_one_line_with_where_and_what_to_change(tmp_path):
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert line == ("error: out of GPU memory on rank 0 at step 3 in forward (2: OutOfMemoryAt): allocated and "
                     "limit unknown on the cpu (memory.fraction unset); no plan was made for this run (python "
-                    "launch/plan.py <its overrides> world_size=1 predicts each rank's peak); try "
+                    "launch/plan.py <its overrides> nproc=1 predicts each rank's peak); try "
                     "strategy.activations=checkpoint, then trainer.grad_accum=2, then strategy=offload, then "
                     "trainer.batch_size=16")
     assert [r["step"] for r in cli.metrics(tmp_path)] == [1, 2]

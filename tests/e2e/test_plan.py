@@ -69,7 +69,7 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_one(tmp_path, case)
     # Two steps, each watched: the second holds the optimizer state the first made.
     cli.run(args + [f"nproc={world}", "trainer.steps=2", "trainer.log_every=1", "trainer.progress=false",
                     f"run_dir={measured_dir}"], cwd=tmp_path)
-    out = plan(args + [f"world_size={world}", f"run_dir={plan_dir}"], cwd=tmp_path)
+    out = plan(args + [f"nproc={world}", f"run_dir={plan_dir}"], cwd=tmp_path)
     assert "total" in out.stdout and "peak in" in out.stdout  # the table
     measured = cli.metrics(measured_dir)[-1]["mem_peak_bytes_per_rank"]
     ranks = json.loads((plan_dir / "plan.json").read_text())["ranks"]
@@ -93,7 +93,7 @@ def test_plan_json_goes_to_hydras_run_directory(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_plan_for_64_ranks_runs_here_in_under_a_minute(tmp_path):
-    plan(["strategy=data", "strategy.zero=3", "world_size=64", "trainer.batch_size=64", f"run_dir={tmp_path}"],
+    plan(["strategy=data", "strategy.zero=3", "nproc=64", "trainer.batch_size=64", f"run_dir={tmp_path}"],
          cwd=tmp_path)
     ranks = json.loads((tmp_path / "plan.json").read_text())["ranks"]
     assert len(ranks) == 1 and ranks[0]["same_as"] == list(range(64))
@@ -105,7 +105,7 @@ def test_plan_for_64_ranks_runs_here_in_under_a_minute(tmp_path):
 
 
 def test_pipeline_plan_has_a_row_per_stage_and_a_picture(tmp_path):
-    out = plan(["strategy=pipeline", "strategy.balance=params", "world_size=4", "memory.budget=1MB",
+    out = plan(["strategy=pipeline", "strategy.balance=params", "nproc=4", "memory.budget=1MB",
                 f"run_dir={tmp_path}"], cwd=tmp_path)
     ranks = json.loads((tmp_path / "plan.json").read_text())["ranks"]
     assert [p["rank"] for p in ranks] == [0, 1, 2, 3] and all(p["params"] > 0 for p in ranks)
@@ -132,11 +132,13 @@ def test_by_module_report_lists_the_locally_connected_layer(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["strategy=data", "strategy.dp=3", "world_size=4"], "strategy.dp=3"),
-    (["world_size=0"], "world_size='0'"),
-    (["plan.by_module=maybe"], "plan.by_module='maybe'"),
-    (["strategy=pipeline", "strategy.activations=disk", "world_size=2"], "strategy.activations='disk'"),
-    (["strategy=pipeline", "strategy.zero=3", "world_size=2"], "strategy.zero=3: not a key of strategy=pipeline"),
+    (["strategy=data", "strategy.dp=3", "nproc=4"], "strategy.dp=3"),
+    (["nproc=0"], "nproc=0: must be"),
+    (["world_size=4"], "world_size='4': launch/plan.py takes the world size as train.py does: nproc=4"),
+    (["plan.top=0"], "plan.top=0: must be an integer >= 1"),
+    (["plan.by_module=maybe"], "plan.by_module=maybe: Value 'maybe' is not a valid bool"),
+    (["strategy=pipeline", "strategy.activations=disk", "nproc=2"], "strategy.activations='disk'"),
+    (["strategy=pipeline", "strategy.zero=3", "nproc=2"], "strategy.zero=3: not a key of strategy=pipeline"),
     (["plan.calibration=nope.json"], "plan.calibration='nope.json': no such file"),
 ])
 def test_bad_input_is_a_config_error_naming_the_key(tmp_path, args, message):
@@ -162,7 +164,7 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
     assert {f"{k}/2" for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")} == \
         set(rates["comm"]) and all([n for n, _ in pts] == [4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20] and
                                   all(t > 0 for _, t in pts) for pts in rates["comm"].values())
-    out = plan(["strategy=data", "strategy.zero=3", "world_size=2", f"plan.calibration={cal}", f"run_dir={tmp_path}"],
+    out = plan(["strategy=data", "strategy.zero=3", "nproc=2", f"plan.calibration={cal}", f"run_dir={tmp_path}"],
                cwd=tmp_path).stdout
     assert "step time: predicted" in out and "rates launch/calibrate.py" in out
     step = json.loads((tmp_path / "plan.json").read_text())["step_time"]
