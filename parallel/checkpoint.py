@@ -56,7 +56,7 @@ from parallel.metrics import log
 from parallel.models.build import build_meta_model
 from parallel.models.lora import checkpointed
 from parallel.optim import state_shapes
-from parallel.profiling import phased
+from parallel.profiling import run_phase
 from parallel.seeding import rng_state, set_rng_state
 
 SUFFIX = ".partial"
@@ -228,8 +228,12 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.last)
 
-    @phased("checkpoint_save")  # in a profile (Note [profiles])
     def save(self, run, step: int) -> Path:
+        """Write the checkpoint of `step` (a collective: every rank calls it); its directory."""
+        with run_phase("checkpoint_save", step):  # in a profile and an out-of-memory line (Note [profiles])
+            return self._save(run, step)
+
+    def _save(self, run, step: int) -> Path:
         rank = dist.get_rank()
         final = step_dir(self.root, step)
         partial = final.with_name(final.name + SUFFIX)

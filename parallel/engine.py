@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from parallel.config import Config, bf16_run
 from parallel.loss import Loss
 from parallel.optim import clip_grad_norm, param_state
-from parallel.tensors import call_model, split_rows
+from parallel.tensors import call_model, rank_optimizer, split_rows
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -96,7 +96,7 @@ class Engine:
         Returns (model state, optimizer state, copies): live tensors, so a load fills them in
         place; `copies` pairs a second copy of a tied weight's state on this rank with the first.
         """
-        optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+        optimizer = rank_optimizer(optimizer)  # ZeRO 1: this rank's share
         states = param_state(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
         model, optim, copies = {}, {}, []
         for module in self.state_modules():

@@ -198,14 +198,14 @@ def _fp32(x):
     return x.float() if isinstance(x, torch.Tensor) and x.dtype in _HALF else x
 
 
-def foreach_as_on_cuda(optimizer) -> None:
-    """Have `optimizer` (or the local one a ZeRO-1 optimizer wraps) run the implementation torch.optim picks for
+def foreach_as_on_cuda(*optimizers) -> None:
+    """Have the `optimizers` (a ZeRO-1 optimizer and the local one it wraps) run the implementation torch.optim picks for
     CUDA tensors: foreach, in every group that leaves `foreach` unset and is not fused. Not in a group that mixes
     DTensors with plain tensors (tensor parallelism's sharded and whole weights): foreach cannot take both at once
     (DTensor refuses the mix), so such a group keeps the per-tensor loop."""
     from torch.distributed.tensor import DTensor
 
-    for opt in {id(o): o for o in (optimizer, getattr(optimizer, "optim", optimizer))}.values():
+    for opt in {id(o): o for o in optimizers}.values():
         for group in getattr(opt, "param_groups", []):
             mixed = len({isinstance(p, DTensor) for p in group["params"]}) > 1
             if "foreach" in group and group["foreach"] is None and not group.get("fused") \

@@ -96,7 +96,7 @@ from parallel.plan_standins import CountingIO, DDPStandIn, InlineExecutor
 from parallel.plan_work import BUCKET, Work, ddp_calls
 from parallel.runtime import Runtime
 from parallel.shape_values import ShapeValues
-from parallel.tensors import local_bytes, plain_tensors
+from parallel.tensors import local_bytes, plain_tensors, rank_optimizer
 from parallel.torch_compat import settle_autograd_threads
 from parallel.torch_patches import meshes_outside_fake, sends_held_by_their_works, static_pipeline_warmup
 from parallel.trainer import build_run
@@ -336,7 +336,7 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         with fake, ShapeValues(fake), static_pipeline_warmup(), sends_held_by_their_works(), meshes_outside_fake():
             run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=data)
             if cuda:
-                foreach_as_on_cuda(run.optimizer)
+                foreach_as_on_cuda(run.optimizer, rank_optimizer(run.optimizer))
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
             # (weights, optimizer state, the engine's buffers), plus what it makes. The first step makes
             # the optimizer state; the second holds it, as every later step does.

@@ -13,7 +13,8 @@ profiler's own cost; writing the trace at the end of END): their step_time_s
 shows it, and the pipeline timeline draws another step when it can.
 
 The framework names its own phases with `phase(name)`: the trainer's (data,
-forward_backward, clip, optimizer_step, checkpoint_save), each pipeline stage's
+forward_backward, clip, optimizer_step, evaluation, checkpoint_save and _load,
+save_final: `run_phase`, which an out-of-memory line reads), each pipeline stage's
 chunks (stage<i> forward|backward|backward_weight mb<k>), the offload engine's
 transfers and waits. `phase` is a no-op unless this process is profiling: an
 idle `record_function` still costs about 10 us, which a pipeline pays per chunk.
@@ -60,6 +61,28 @@ def active() -> bool:
 def phase(name: str):
     """A context naming a phase of the run in the profile (Note [profiles]); does nothing when not profiling."""
     return record_function(name) if _profiling else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def run_phase(name: str, step: int | None = None):
+    """One of the run's own phases (a step's data, forward_backward, clip and optimizer_step; an evaluation;
+    a checkpoint's save or load; the final weights' save), of training step `step` when it has one: named in
+    a profile as `phase` names it, and in any exception raised inside it, innermost first (`raised_in`),
+    which the out-of-memory line reads (Note [out of memory] in parallel/memory/oom.py). Nothing is kept
+    while nothing is raised."""
+    try:
+        with phase(name):
+            yield
+    except BaseException as e:
+        e.__dict__.setdefault("run_phases", []).append((name, step))
+        raise
+
+
+def raised_in(chain: list[BaseException]) -> tuple[list[str], int | None]:
+    """The run phases an error was raised in (innermost first) and its training step (None: outside a step's
+    phases), read from the first error of `chain` (an error and those it wraps) that `run_phase` marked."""
+    marked = next((e.__dict__["run_phases"] for e in chain if "run_phases" in getattr(e, "__dict__", {})), [])
+    return [name for name, _ in marked], next((step for _, step in marked if step is not None), None)
 
 
 def phased(name: str):

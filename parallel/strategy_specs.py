@@ -137,11 +137,6 @@ class StrategySpec:
         """It may split layers over tensor-parallel ranks (`tensor_parallel` says whether a config does)."""
         return "tp" in self.spreads
 
-    @property
-    def shards_sequences(self) -> bool:
-        """It may split each sample's sequence over context-parallel ranks (where strategy.cp > 1)."""
-        return "cp" in self.spreads
-
 
 # The keys of each piece; a strategy that composes pieces takes theirs.
 ACTIVATIONS = ("activations",)  # every strategy that builds: device, or checkpoint (offload: its tiers too)
@@ -172,7 +167,7 @@ SPECS: dict[str, StrategySpec] = {
     # The experts over the ep ranks, the other weights data-parallel over them.
     "expert": StrategySpec(spreads=("ep",), zero=ZERO_LEVELS, one_device=False, offloads=False, compiles=True,
                            chooses=False, keys=_keys(EXPERT, ACTIVATIONS)),
-    # Every dimension on one mesh, tp innermost; zero 1 runs as 2 (parallel.strategies.hybrid).
+    # Every dimension on one mesh, tp innermost; each zero level as under strategy=data (parallel.strategies.hybrid).
     "hybrid": StrategySpec(spreads=("dp", "ep", "pp", "cp", "tp"), zero=ZERO_LEVELS, one_device=False,
                            offloads=False, compiles=True, chooses=False,
                            keys=_keys(DATA, EXPERT, PIPELINE, CONTEXT, TENSOR, ACTIVATIONS)),

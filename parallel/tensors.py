@@ -55,6 +55,12 @@ def main_field(x) -> torch.Tensor:
     return next(iter(x.values())) if isinstance(x, Mapping) else x
 
 
+def rank_optimizer(optimizer):
+    """The optimizer holding this rank's state: a ShardedOptimizer's own (ZeRO 1 in parallel/optim.py, which
+    keeps it as `optim`), else the optimizer itself. Here, below every layer that steps or counts one."""
+    return getattr(optimizer, "optim", optimizer)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a DTensor (tensor- or data-parallel), or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t

@@ -32,7 +32,7 @@ from parallel.models.build import build_meta_model
 from parallel.models.moe_stats import moe_record
 from parallel.nonfinite import AgreedStop, Guard
 from parallel.optim import all_sum, build_optimizer, param_names
-from parallel.profiling import Profiling, phase
+from parallel.profiling import Profiling, run_phase
 from parallel.runtime import Runtime
 from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
@@ -140,10 +140,12 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
     seed_all(run.rng_seed)
     try:
         path = checkpoint.resume_target(cfg, run_dir)
-        start = 0 if path is None else checkpoint.load(run, path)
+        with run_phase("checkpoint_load"):
+            start = 0 if path is None else checkpoint.load(run, path)
         train(cfg, run, run_dir, start)
         if cfg.trainer.save_final:
-            save_final(run.engine, run_dir / "final_model.pt")
+            with run_phase("save_final"):
+                save_final(run.engine, run_dir / "final_model.pt")
     except Exception as e:
         oom = out_of_memory(e, cfg, run.engine.model, device, run_dir)  # Note [out of memory]: one line
         if oom is None:
@@ -180,18 +182,19 @@ def train_step(run: Run, step: int, guard: Guard | None = None) -> tuple[torch.T
     nothing applied.
     """
     t0 = time.perf_counter()
-    with phase("data"):  # the phases a profile names (Note [profiles] in parallel/profiling.py)
+    # The phases a profile and an out-of-memory line name (Note [profiles] in parallel/profiling.py).
+    with run_phase("data", step):
         x, y = next_batch(run, step)
     data_time = time.perf_counter() - t0
-    with phase("forward_backward"):
+    with run_phase("forward_backward", step):
         loss = run.engine.forward_backward(x, y)
     # Before clipping: a weight left whole with a different gradient on each tp rank would clip each rank by
     # its own norm (Note [weights left whole]).
     differ = whole_weights_differ(run)
-    with phase("clip"):
+    with run_phase("clip", step):
         norm = run.engine.clip(run.cfg.trainer.clip_grad_norm)
     verdict = differ or (True if guard is None else guard.check(step, loss, norm))
-    with phase("optimizer_step"):
+    with run_phase("optimizer_step", step):
         if verdict is True:
             run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)  # a dropped step's gradients go with it
@@ -284,7 +287,8 @@ def first_step_done(run: Run) -> None:
 
 def log_eval(run: Run, step: int) -> dict:
     """Evaluate after `step` (collective: every rank calls it); the figures, also in the log."""
-    record = evaluation.evaluate(run.cfg, run.engine, run.eval_data, run.device)
+    with run_phase("evaluation", step):
+        record = evaluation.evaluate(run.cfg, run.engine, run.eval_data, run.device)
     if run.is_logger:
         log.info("step %d  %s", step, "  ".join(f"{k} {v:.6f}" for k, v in record.items()))
     return record

@@ -7,14 +7,16 @@ that ran out says its own (exit status 1, no traceback):
     error: out of GPU memory on rank R at step S in PHASE (MODULE): X allocated of Y (memory.fraction F);
     PLAN; try CHANGE, then CHANGE, ... [; memory snapshot: PATH]
 
-Where: read from the exception's traceback, once, when it is reported; nothing
-is tracked while the run goes well. Forward pre-hooks on every module would
-cost every call of every module (and a hook more in each compiled block) for a
-report most runs never make; the traceback already holds each Python frame
-from the trainer's loop down to the failed allocation. The step is the loop's
-`step` (parallel.trainer.train); the phase is the trainer's function it failed
-in (data, forward or backward, gradient clipping, optimizer step, evaluation,
-checkpoint save or load, saving the final weights); forward and backward are
+Where: read from the exception, once, when it is reported; nothing is tracked
+while the run goes well. Forward pre-hooks on every module would cost every
+call of every module (and a hook more in each compiled block) for a report
+most runs never make. The trainer names its phases with
+`parallel.profiling.run_phase`, which marks an exception raised inside one
+with the phase and its step as it passes (`raised_in`): the step, and the
+phase it failed in (data, forward or backward, gradient clipping, optimizer
+step, evaluation, checkpoint save or load, saving the final weights), come from
+there, the innermost phase first; the traceback holds each Python frame from
+the trainer's loop down to the failed allocation for the rest. Forward and backward are
 told apart by autograd's engine frame (`_engine_run_backward`: Tensor.backward,
 autograd.backward and autograd.grad all go through it, a pipeline stage's
 backward included); the module is the innermost `nn.Module.__call__` frame's,
@@ -59,7 +61,6 @@ single-process run prints the line through the entry wrapper
 from __future__ import annotations
 
 import json
-import os
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.config import Config, RunError, strategy_spec
-from parallel.profiling import snapshot_after_oom
+from parallel.profiling import raised_in, snapshot_after_oom
 from parallel.units import human_bytes
 
 # A worker's exit status when it ran out of GPU memory and said so (its line is on stderr).
@@ -92,14 +93,10 @@ class Where:
 # Every `module(...)` runs through these two (nn.Module.__call__ is _wrapped_call_impl; a compiled module's
 # call skips _call_impl): their frames' `self` is the module called. Read, never replaced.
 _MODULE_CALLS = (nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__)
-# The function of train_step's that the step was in -> the phase (forward_backward: forward or backward).
-_STEP_PARTS = {"next_batch": "data", "clip": "gradient clipping"}
-
-
-def _own(frame, module: str, name: str) -> bool:
-    """Whether `frame` runs parallel/<module>.py's function `name`."""
-    code = frame.f_code
-    return code.co_name == name and code.co_filename.endswith(os.path.join("parallel", module))
+# The run's phases (parallel.profiling.run_phase) -> the line's words; forward_backward is forward or backward.
+_PHASES = {"data": "data", "clip": "gradient clipping", "optimizer_step": "optimizer step",
+           "evaluation": "evaluation", "checkpoint_save": "checkpoint save", "checkpoint_load": "checkpoint load",
+           "save_final": "saving the final weights"}
 
 
 def oom_chain(e: BaseException) -> list[BaseException] | None:
@@ -124,23 +121,10 @@ def where(chain: list[BaseException], model: nn.Module | None = None) -> Where:
         model: the model whose module names the line uses (the engine's); None: class names only.
     """
     frames = [frame for e in chain for frame, _ in traceback.walk_tb(e.__traceback__)]
-    step = next((f.f_locals.get("step") for f in frames if _own(f, "trainer.py", "train")), None)
+    phases, step = raised_in(chain)
+    named = next((_PHASES.get(p) for p in phases if p in _PHASES or p == "forward_backward"), None)
     backward = any(f.f_code.co_name == "_engine_run_backward" for f in frames)
-    phase = "backward" if backward else "forward"
-    if any(_own(f, "evaluation.py", "evaluate") for f in frames):
-        phase = "evaluation"
-    elif any(_own(f, "checkpoint.py", "save") for f in frames):
-        phase = "checkpoint save"
-    elif any(_own(f, "checkpoint.py", "load") for f in frames):
-        phase = "checkpoint load"
-    elif any(_own(f, "trainer.py", "save_final") for f in frames):
-        phase = "saving the final weights"
-    else:
-        at = next((i for i, f in enumerate(frames) if _own(f, "trainer.py", "train_step")), None)
-        if at is not None and at + 1 < len(frames):
-            part = frames[at + 1].f_code.co_name
-            if part != "forward_backward":
-                phase = _STEP_PARTS.get(part, "optimizer step")
+    phase = named or ("backward" if backward else "forward")
     modules = [f.f_locals.get("self") for f in frames if f.f_code in _MODULE_CALLS]
     return Where(step, phase, _module_name([m for m in modules if isinstance(m, nn.Module)], model))
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from parallel.tensors import plain_tensors
+from parallel.tensors import plain_tensors, rank_optimizer
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -101,8 +101,8 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     if optimizer is not None:
         for state in optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's local optimizer
-        if inner is not None and inner is not optimizer:
+        inner = rank_optimizer(optimizer)  # ZeRO 1's own optimizer of this rank's state
+        if inner is not optimizer:
             for state in inner.state.values():
                 out += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return out

@@ -8,6 +8,7 @@ import torch
 
 from parallel.config import Config
 from parallel.memory.oom import changes, figures, oom_chain, out_of_memory, planned_peak, where
+from parallel.profiling import run_phase
 from parallel.units import human_bytes
 from tests import gpus
 from tests.user_model import out_of_memory_at
@@ -50,6 +51,31 @@ def test_an_out_of_memory_wrapped_by_pytorch_is_found_with_its_frames():
     assert where(chain, model).module == "2: OutOfMemoryAt"
     assert oom_chain(_raised(lambda: int("x"))) is None
     assert out_of_memory(ValueError("no"), Config(), model, torch.device("cpu"), None) is None
+
+
+def test_the_step_and_phase_are_those_the_trainer_named():
+    """parallel.profiling.run_phase marks what is raised inside it, innermost phase first; the step from the
+    innermost phase that has one."""
+    model = out_of_memory_at(at=1)
+
+    def step():
+        with run_phase("forward_backward", 7):
+            model(torch.ones(2, 32))
+
+    at = where(oom_chain(_raised(step)), model)
+    assert (at.step, at.phase, at.module) == (7, "forward", "2: OutOfMemoryAt")
+
+    def saved():
+        with run_phase("checkpoint_save", 4), run_phase("unnamed inner part"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    assert (where([_raised(saved)]).step, where([_raised(saved)]).phase) == (4, "checkpoint save")
+
+    def final():
+        with run_phase("save_final"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    assert (where([_raised(final)]).step, where([_raised(final)]).phase) == (None, "saving the final weights")
 
 
 def _resolved(**strategy) -> Config:
