@@ -71,7 +71,7 @@ from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
 from parallel.planner import plan
-from parallel.strategies.expert import moe_layers
+from parallel.strategies.expert import has_experts
 from parallel.validate import validate
 
 
@@ -193,7 +193,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
              f"rates {describe(cal)}" + (f"; disk {disk / 1e9:.2f} GB/s" if disk else ""))
     quiet = logging.getLogger("parallel")
     level = quiet.level
-    found = candidates(world, cfg.strategy.microbatches, experts=bool(moe_layers(build_meta_model(cfg.model))))
+    found = candidates(world, cfg.strategy.microbatches, experts=has_experts(build_meta_model(cfg.model)))
     i = 0
     while i < len(found):  # recomputed variants join the list as candidates exceed the budget
         cand = found[i]

@@ -40,11 +40,26 @@ _CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _attention,
                   aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward}
 
 
+def _grouped_mm(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """A grouped matrix product (a mixture-of-experts layer's experts, Note [grouped matmul on fake tensors] in
+    parallel/torch_patches.py): every output element one product over the contraction, which is mat_a's last
+    dimension, split over the groups when both operands are 2D (the weight gradient, G outputs). Rows past the
+    last offset (none in transformers' use) counted too."""
+    products = out_val.numel() * mat_a.shape[-1]
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        products //= out_val.shape[0]
+    return 2 * products
+
+
+# Ops torch's table leaves out (torch 2.11-2.15): the CPU's attention kernels and the grouped product.
+_EXTRA = {**_CPU_ATTENTION, aten._grouped_mm: _grouped_mm}
+
+
 def formula(func):
     """The FLOP formula of `func`'s op, called as `f(*args, **kwargs, out_val=out)`; None for an op without
     products."""
     packet = func._overloadpacket
-    return flop_registry.get(packet) or _CPU_ATTENTION.get(packet)
+    return flop_registry.get(packet) or _EXTRA.get(packet)
 
 
 def local_call(args, kwargs, out):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -59,6 +60,29 @@ def rank_optimizer(optimizer):
     """The optimizer holding this rank's state: a ShardedOptimizer's own (ZeRO 1 in parallel/optim.py, which
     keeps it as `optim`), else the optimizer itself. Here, below every layer that steps or counts one."""
     return getattr(optimizer, "optim", optimizer)
+
+
+def in_own_thread(name: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a new thread named `name`, its exception re-raised here. Device meshes made for
+    different ranks compare equal (same layout), and DTensor caches its sharding decisions by mesh, so a fake
+    rank's step (the planner's, a tensor plan's rehearsal) would be handed meshes whose process groups went
+    with the one before it; meshes also compare by the thread that made them, and DTensor's caches are per
+    thread, so each run on its own thread starts clean."""
+    out: list = []
+
+    def body():
+        try:
+            out.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # re-raised on the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,29 @@ behave differently there is passed in through the run's Runtime (Note
 [runtime]); the three places below are inside PyTorch, with no argument to pass
 a stand-in through, so they are patched for the duration of a plan and
 restored after. The fourth (`forward_only_actions`) changes one schedule
-object's action list for the duration of an evaluation. Nothing else patches
-anything at run time.
+object's action list for the duration of an evaluation. The fifth
+(`register_grouped_mm_fake`) gives one op a fake kernel of its own, for fake
+tensors only, for the whole process. Nothing else patches anything at run time.
+
+# Note [grouped matmul on fake tensors]
+transformers 5 holds a MoE layer's experts fused (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj` (E, H, I))
+and computes them with `torch._grouped_mm` (its `experts_implementation` "grouped_mm", the default where
+torch has the op; `_can_use_grouped_mm` in transformers/integrations/moe.py). The op's kernels take fp32,
+bf16 and fp16 operands, on the CPU ("Expected mat_a to be Float32, BFloat16 or Float16 matrix") and on CUDA
+(bf16 through the grouped GEMM, the others through the op's fallback of one product per group), so a real
+fp32 run on the CPU takes that path and trains. torch's fake kernel of the op (`meta_grouped_mm` in
+torch/_meta_registrations.py, torch 2.11-2.15) is written from the CUDA fast path alone and refuses
+anything but bf16 ("Expected inputs of BF16 type"). Every pass the framework runs on fake tensors (the
+check that the model takes the data, the FLOP count, the pipeline's trace through torch.export, the
+planner's step, the offload engine's block shapes) then fails on a model a real run trains.
+
+So the op gets a fake kernel that accepts what its real kernels accept (`register_grouped_mm_fake`, through
+torch.library's public `register_fake`, which overrides a built-in op's fake kernel for fake tensors only:
+meta tensors and real kernels are untouched): the same output shapes as torch's own for the four operand
+layouts, the dtype `out_dtype` or the operands'. Every pass then takes the path the real run takes, the
+grouped product itself (traced into the pipeline's stages as `aten._grouped_mm`, run there on the real
+operands). It is registered once per process, when a model whose experts compute this way is made ready to
+train (parallel.models.hf.for_training), before any of those passes.
 """
 from __future__ import annotations
 
@@ -121,3 +142,39 @@ def forward_only_actions(schedule):
         yield
     finally:
         schedule.pipeline_order_with_comms = saved
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the op's CPU and CUDA kernels take
+_registered = []  # the torch.library fragment holding the grouped products' fake kernel, once registered
+
+
+def _grouped_mm_fake(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The shape of `torch._grouped_mm(mat_a, mat_b, offs=offs)`: 2D x 3D (tokens grouped by expert, one
+    weight per expert: forward and input gradient), 2D x 2D (the contraction grouped: weight gradient),
+    3D x 2D, 3D x 3D (a batch)."""
+    torch._check(mat_a.dtype in GROUPED_MM_DTYPES and mat_a.dtype == mat_b.dtype,
+                 lambda: f"Expected mat_a and mat_b of one dtype among {GROUPED_MM_DTYPES}, got {mat_a.dtype} "
+                         f"and {mat_b.dtype}")
+    torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3), lambda: "grouped_mm takes 2D or 3D operands")
+    torch._check(bias is None, lambda: "grouped_mm takes no bias")
+    if mat_a.dim() == 3 or mat_b.dim() == 3:
+        torch._check(mat_a.size(-1) == mat_b.size(-2), lambda: "contraction dimensions of mat_a and mat_b differ")
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        shape = (offs.size(0), mat_a.size(0), mat_b.size(1))
+    elif mat_a.dim() == 2:
+        shape = (mat_a.size(0), mat_b.size(-1))
+    elif mat_b.dim() == 2:
+        shape = (mat_a.size(1), mat_b.size(1))
+    else:
+        shape = (mat_a.size(0), mat_a.size(1), mat_b.size(-1))
+    return mat_a.new_empty(shape, dtype=out_dtype or mat_a.dtype)
+
+
+def register_grouped_mm_fake() -> None:
+    """Give `aten._grouped_mm` a fake kernel that takes every dtype its kernels take (Note [grouped matmul on
+    fake tensors]); once per process."""
+    if _registered:
+        return
+    lib = torch.library.Library("aten", "FRAGMENT")  # kept alive: the registration lasts as long as it
+    torch.library.register_fake("aten::_grouped_mm", _grouped_mm_fake, lib=lib)
+    _registered.append(lib)

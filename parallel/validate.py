@@ -19,7 +19,6 @@ from parallel.config import (
     TARGET_GROUPS,
     Config,
     StrategyConfig,
-    check_optim,
     check_trainer,
     error_text,
     fail,
@@ -35,11 +34,11 @@ from parallel.dims import ParallelDims
 from parallel.loss import check_loss, check_loss_config, derive_output_loss
 from parallel.lr_schedule import check_schedule
 from parallel.memory.budget import check_memory
-from parallel.models.build import build_meta_model, check_model, check_model_takes_data
+from parallel.models.build import check_model, check_model_takes_data
 from parallel.models.hf import derive_auto_class
 from parallel.models.weights import check_weights
 from parallel.offload.check import check_offload_disk
-from parallel.optim import check_optimizer
+from parallel.optim import check_optim, check_optimizer
 from parallel.preemption import check_requeue
 from parallel.profiling import check_profile
 from parallel.strategies import check_strategy
@@ -167,8 +166,7 @@ def validate(cfg: Config, world_size: int) -> None:
     s = cfg.strategy
     spec = strategy_spec(s.name)  # its row of the table (Note [strategy table])
     if spec.chooses:  # each candidate is validated as it is tried (parallel.auto)
-        check_model(cfg.model)
-        check_optimizer(cfg, build_meta_model(cfg.model))
+        check_optimizer(cfg, check_model(cfg.model))
         return
     # 2. The strategy's keys, by name first (a plain strategy may reject a degree while resolving), then the
     #    degrees derived from the world size, then the keys that depend on them.
@@ -181,25 +179,26 @@ def validate(cfg: Config, world_size: int) -> None:
         check_pipeline(cfg, per_rank)
     # 3. The model, then what needs it: the optimizer's patterns, the offload disk, BatchNorm layers to sync, a
     #    checkpoint to resume, blocks to compile, the tensor plan, the pipeline split, the data through the model.
-    check_model(cfg.model)
-    check_optimizer(cfg, build_meta_model(cfg.model))
-    check_weights(cfg.model, build_meta_model(cfg.model))
+    #    Each reads the one meta model built here and leaves it as it is (a split or a rehearsal works on a copy).
+    model = check_model(cfg.model)
+    check_optimizer(cfg, model)
+    check_weights(cfg.model, model)
     if spec.offloads and s.path is not None:
-        check_offload_disk(cfg, build_meta_model(cfg.model))
+        check_offload_disk(cfg, model)
     if s.sync_batchnorm:
-        check_sync_batchnorm(cfg, build_meta_model(cfg.model))
+        check_sync_batchnorm(cfg, model)
     if cfg.trainer.resume is not None:
         check_resume(cfg)
     if s.ep > 1 or s.cp > 1:
-        check_experts(build_meta_model(cfg.model), s.ep, s.cp)
-    check_compile(cfg, build_meta_model(cfg.model))
+        check_experts(model, s.ep, s.cp, s.zero, s.pp, s.tp)
+    check_compile(cfg, model)
     if tensor_parallel(s):
-        check_plan(build_meta_model(cfg.model), cfg)
+        check_plan(model, cfg)
     if s.cp > 1:  # before the split, which traces the model on the cp chunks
-        check_context(cfg, build_meta_model(cfg.model))
+        check_context(cfg, model)
     if pipelined(s):
-        check_split(build_meta_model(cfg.model), cfg)
-    out = check_model_takes_data(cfg)
+        check_split(model, cfg)
+    out = check_model_takes_data(cfg, model)
     if out is not None:
         check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data))
 

@@ -248,3 +248,46 @@ def assert_as(run_dir, reference: tuple, first_step: int = 1) -> None:
     losses, state = reference
     parity.assert_same_losses(cli.losses(run_dir), losses[first_step - 1:])
     parity.assert_same_weights(cli.final_weights(run_dir), state, parity.run_reach(run_dir))
+
+
+def mixtral(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
+            kv_heads: int = 2, experts: int = 4, top_k: int = 2):
+    """MixtralForCausalLM: each layer's MLP a router (`mlp.gate`) over `experts` experts held fused
+    (`mlp.experts.gate_up_proj`, `down_proj`), `top_k` of them per token."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=vocab_size, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
+                        num_local_experts=experts, num_experts_per_tok=top_k, use_cache=False)
+    return MixtralForCausalLM(cfg)
+
+
+def qwen3_moe(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
+              kv_heads: int = 2, experts: int = 4, top_k: int = 2):
+    """Qwen3MoeForCausalLM: Qwen3's attention (q_norm, k_norm) and a sparse MLP in every layer, `top_k` of
+    `experts` per token, its routing weights renormalised."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=dim, moe_intermediate_size=dim, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
+                         max_position_embeddings=seq_len, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], use_cache=False,
+                         tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+DATA.update({name: DATA["llama"] for name in ("mixtral", "qwen3_moe")})
+
+
+def gpt_oss(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
+            kv_heads: int = 2, experts: int = 4, top_k: int = 2):
+    """GptOssForCausalLM: attention sinks, sliding and full attention in turn, and experts with biases whose
+    gate and up projections are interleaved (`gate_up_proj` (E, H, 2I), transposed)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=vocab_size, hidden_size=dim, intermediate_size=dim, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim // heads,
+                       max_position_embeddings=seq_len, num_local_experts=experts, num_experts_per_tok=top_k,
+                       sliding_window=8, use_cache=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 150000.0})  # no YaRN at 16 positions
+    return GptOssForCausalLM(cfg)

@@ -393,3 +393,94 @@ class DictLayers(nn.Module):
 
 def dict_layers(features: int = 32, width: int = 32, out: int = 4, depth: int = 4) -> nn.Module:
     return DictLayers(features, width, out, depth)
+
+
+class FusedAttention(nn.Module):
+    """torchtitan's Llama 3 attention with fuse_qkv=true: one `wqkv` laid out by kv group (each group's q heads, then
+    its k and its v), grouped-query attention, complex rotary embeddings from the model's `freqs_cis`, and the
+    forward's extra arguments (freqs_cis, attention_masks, positions) from the model's layer loop. `stock_names`:
+    saved and loaded as the unfused wq, wk and wv, by state-dict hooks (torchtitan's FusedQKVLinear)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, stock_names: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wqkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        if stock_names:
+            self.register_state_dict_post_hook(self._split_on_save)
+            self.register_load_state_dict_pre_hook(self._merge_on_load)
+
+    def _groups(self, t):
+        return t.reshape(self.n_kv_heads, -1, self.head_dim, t.shape[-1])
+
+    @staticmethod
+    def _split_on_save(module, state_dict, prefix, local_metadata):
+        per_kv = module.n_heads // module.n_kv_heads
+        w = module._groups(state_dict.pop(prefix + "wqkv.weight"))
+        for name, part in zip(("wq", "wk", "wv"), w.split([per_kv, 1, 1], dim=1)):
+            state_dict[f"{prefix}{name}.weight"] = part.reshape(-1, w.shape[-1])
+
+    @staticmethod
+    def _merge_on_load(module, state_dict, prefix, *args):
+        if prefix + "wq.weight" in state_dict:
+            parts = [module._groups(state_dict.pop(f"{prefix}{n}.weight")) for n in ("wq", "wk", "wv")]
+            state_dict[prefix + "wqkv.weight"] = torch.cat(parts, dim=1).flatten(0, 2)
+
+    def forward(self, x, freqs_cis, attention_masks, positions=None):
+        b, t, _ = x.shape
+        per_kv = self.n_heads // self.n_kv_heads
+        qkv = self.wqkv(x).view(b, t, -1, per_kv + 2, self.head_dim)  # -1: the kv groups this rank holds
+        q, k, v = (s.reshape(b, t, -1, self.head_dim) for s in qkv.split([per_kv, 1, 1], dim=-2))
+        rotate = freqs_cis[:t].view(1, t, 1, -1)
+        q, k = (torch.view_as_real(torch.view_as_complex(z.float().reshape(*z.shape[:-1], -1, 2)) * rotate)
+                .flatten(3).type_as(z) for z in (q, k))
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(SwiGLUBlock):
+    """torchtitan's SwiGLU feed-forward: w2(silu(w1(x)) * w3(x)), the residual the block's."""
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int, stock_names: bool):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attention = FusedAttention(dim, n_heads, n_kv_heads, stock_names)
+        self.feed_forward = FeedForward(dim, hidden)
+
+    def forward(self, x, freqs_cis, attention_masks, positions=None):
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attention_masks, positions)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    """torchtitan's Llama 3 (before its rotary cache moved into each layer): the layers in an nn.ModuleDict, called
+    with the model's `freqs_cis` buffer, which is no parameter and is not saved."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2, hidden: int = 64,
+                 depth: int = 2, stock_names: bool = False, max_seq: int = 64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, dim // n_heads, 2).float() / (dim // n_heads)))
+        angles = torch.outer(torch.arange(max_seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(dim, n_heads, n_kv_heads, hidden, stock_names)
+                                     for i in range(depth)})
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, attention_masks=None, positions=None):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis, attention_masks, positions)
+        return self.lm_head(self.norm(h))
+
+
+def titan_llama(vocab: int = 64, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2, hidden: int = 64,
+                depth: int = 2, stock_names: bool = False) -> nn.Module:
+    return TitanLlama(vocab, dim, n_heads, n_kv_heads, hidden, depth, stock_names)

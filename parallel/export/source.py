@@ -35,12 +35,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from parallel.checkpoint import META, incomplete, newest_complete
 from parallel.config import Config, ConfigError, RunError, error_text, fail
 from parallel.init import init_plan
-from parallel.init.files import WeightFiles
 from parallel.init.values import FromFiles
 from parallel.models.build import weights_path
 from parallel.models.hf import derive_auto_class
 from parallel.models.lora import base_name
-from parallel.models.weights import build_own_model
+from parallel.models.weights import build_own_model, weight_files
 
 FINAL = "final_model.pt"
 RUN_CONFIG = Path(".hydra", "config.yaml")  # written at the start of every run (Note [one run directory])
@@ -208,7 +207,7 @@ class WithBase:
         self.specs = {k: Spec(tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
         self.specs.update(inner.specs)
         weights = weights_path(cfg.model)
-        self.files = None if weights is None else FromFiles(WeightFiles(weights), self.plan,
+        self.files = None if weights is None else FromFiles(weight_files(weights, model), self.plan,
                                                             getattr(model, "base_model_prefix", ""), plain=base_name)
         self._own: dict | None = None
 

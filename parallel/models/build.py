@@ -103,8 +103,9 @@ def freeze(model: nn.Module, patterns: list[str]) -> None:
         fail("model.freeze", list(patterns), "freezes every parameter: nothing would train")
 
 
-def check_model(m: ModelConfig) -> None:
-    """The factory exists, accepts `model.args`, and builds an initializable module."""
+def check_model(m: ModelConfig) -> nn.Module:
+    """The factory exists, accepts `model.args`, and builds an initializable module; returns it (on meta), which
+    the checks after it read (validation builds it once)."""
     if m.frozen_checkpoint is not None and not os.path.isfile(m.frozen_checkpoint):
         fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
     if m.init not in INITS:
@@ -124,12 +125,13 @@ def check_model(m: ModelConfig) -> None:
             fail("model.args", dict(m.args),
                  f"do not fit {getattr(factory, '__qualname__', factory)}{sig}: {e}{hint}",
                  list(sig.parameters))
-    build_meta_model(m)
+    return build_meta_model(m)
 
 
-def check_model_takes_data(cfg: Config):
-    """The model runs on two samples shaped as the data's and gives what its targets need. Returns its output
-    (fake tensors), or None when a user's model could not run on fake tensors."""
+def check_model_takes_data(cfg: Config, model: nn.Module | None = None):
+    """The model (`model`, on meta; None: built here) runs on two samples shaped as the data's and gives what
+    its targets need. Returns its output (fake tensors), or None when a user's model could not run on fake
+    tensors."""
     d = cfg.data
     key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
         ("data.task", d.task, f"data.task={d.task}'s")
@@ -143,7 +145,7 @@ def check_model_takes_data(cfg: Config):
             shape["lm"] = (2, *d.spec["target"]["shape"], d.vocab_size)
     inputs = example_input(d)
     x = main_field(inputs)
-    model = build_meta_model(cfg.model)
+    model = build_meta_model(cfg.model) if model is None else model
     _check_forward_takes_a_batch(cfg.model, model, inputs)
     args, named = as_call(inputs)
     try:

@@ -19,6 +19,8 @@ from torch import nn
 
 from parallel.config import ConfigError, ModelConfig, fail
 from parallel.init.files import has_weights
+from parallel.models.hf_moe import grouped_experts
+from parallel.torch_patches import register_grouped_mm_fake
 
 log = logging.getLogger("parallel")
 
@@ -60,6 +62,8 @@ def hf_config(path: str, overrides: dict | None = None):
 #   from forward (transformers' DynamicCache) cannot be traced into pipeline stages nor sent between them.
 #   Turning it off changes no value the model computes, so the run stays the user's own loop's.
 # - training mode: `from_pretrained` returns a model in eval mode (dropout off).
+# - fused experts (a mixture-of-experts model's): the grouped matrix product they run is given a fake kernel
+#   for every dtype its real kernels take (Note [grouped matmul on fake tensors] in parallel/torch_patches.py).
 # With pretrained weights that lack some of the class's tensors, rank 0 builds the model as the user's script
 # does, `torch.manual_seed(seed); cls.from_pretrained(path)` (`hf_pretrained`), so the missing ones get the
 # values from_pretrained gives them (Note [initial values] in parallel/init/values.py).
@@ -83,6 +87,8 @@ def for_training(model):
     if is_transformers_model(model):
         cache_off(model.config)
     if isinstance(model, nn.Module):
+        if grouped_experts(model):  # its fake passes take the real run's grouped products (also inside a wrapper)
+            register_grouped_mm_fake()
         model.train()
     return model
 

@@ -17,6 +17,7 @@ from parallel.init.files import WeightFileError, WeightFiles, save_weights
 from parallel.init.values import ByName, ConstructedBuffers, FromFiles, Values
 from parallel.memory.host import available_host_memory
 from parallel.models.build import build_model, pretrained_dir, weights_path
+from parallel.models.hf_conversion import converted
 from parallel.models.lora import add_adapters, base_name
 from parallel.units import human_bytes
 
@@ -39,6 +40,15 @@ def build_own_model(m: ModelConfig, seed: int) -> nn.Module:
                     fqn = f"{mod_name}.{local}" if mod_name else local
                     module.init_parameter(local, t.data, torch.Generator().manual_seed(name_seed(seed, fqn)))
     return add_adapters(model, m)  # after the user's build, as their script adds them (Note [LoRA])
+
+
+def weight_files(path: str, model: nn.Module):
+    """The weight files at `path` under the names `model` (the meta model, adapters and all) reads them by: as
+    they are, or as transformers' loading converts them (Note [checkpoint conversion] in
+    parallel/models/hf_conversion.py). Raises WeightFileError."""
+    names = {base_name(n) for n, _ in [*model.named_parameters(remove_duplicate=False),
+                                       *model.named_buffers(remove_duplicate=False)]}
+    return converted(WeightFiles(path), model, names - {None})
 
 
 def write_own_weights(m: ModelConfig, seed: int, path: Path) -> None:
@@ -69,7 +79,7 @@ def initial_values(m: ModelConfig, seed: int, run_dir: Path, model: nn.Module, p
     """This run's `Values` (collective: every rank calls it). `model` is the meta model, `plan` its names."""
     weights = weights_path(m)
     pretrained = None if weights is None else \
-        FromFiles(WeightFiles(weights), plan, getattr(model, "base_model_prefix", ""), plain=base_name)
+        FromFiles(weight_files(weights, model), plan, getattr(model, "base_model_prefix", ""), plain=base_name)
     if m.init == "name":
         own: Values = ByName(seed, model)
     elif pretrained is None or pretrained.own or (not m.strict and pretrained.problems(plan, {})[0]):
@@ -100,7 +110,7 @@ def check_weights(m: ModelConfig, model: nn.Module) -> None:
         return
     key = "model.weights" if m.weights is not None else "model.path"
     try:
-        files = WeightFiles(weights)
+        files = weight_files(weights, model)
     except WeightFileError as e:
         fail(key, weights, str(e))
     plan = init_plan(model)
@@ -127,17 +137,18 @@ def check_weights(m: ModelConfig, model: nn.Module) -> None:
 
 def _refuse_renamed(key: str, weights: str, model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
     """The model's own body (not a head, which from_pretrained would initialise too) lacking tensors while the
-    files hold tensors nothing reads: the same weights saved under other names or another layout (a Mixtral
-    checkpoint's per-expert `experts.N.w1` where transformers 5 builds fused `experts.gate_up_proj`, converting
-    them as it loads). Filled with fresh values, a pretrained body would train from random weights with one
-    warning line; refused instead, whatever model.strict says."""
+    files hold tensors nothing reads, after transformers' own conversions (Note [checkpoint conversion] in
+    parallel/models/hf_conversion.py): the same weights saved under other names or in a layout nothing here
+    converts. Filled with fresh values, a pretrained body would train from random weights with one warning line;
+    refused instead, whatever model.strict says."""
     prefix = getattr(model, "base_model_prefix", "")
     body = [n for n in missing if prefix and n.startswith(prefix + ".")]
     if body and unexpected:
         fail(key, weights, f"{len(body)} tensors of {type(model).__name__}'s own body are not in the files "
              f"({_listed(body)}), while {len(unexpected)} of the files' go unread ({_listed(unexpected)}): saved "
-             f"under other names or in another layout (transformers converts some checkpoints as it loads "
-             f"them, which is not read here yet); their pretrained values would be replaced by fresh ones",
+             f"under other names or in another layout than the model's (transformers' conversion mapping, "
+             f"applied here as from_pretrained applies it, turns none of them into the model's); their pretrained "
+             f"values would be replaced by fresh ones",
              ["files that name the tensors as the model does", "model.pretrained=false (fresh values, on purpose)"])
 
 

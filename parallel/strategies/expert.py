@@ -36,7 +36,10 @@ from torch.distributed.tensor import DTensor
 
 from parallel.config import fail
 from parallel.engine import LocalEngine
+from parallel.models.hf_moe import grouped_experts
 from parallel.optim import clip_grads
+from parallel.strategies.expert_hf import ScaleGrad as _ScaleGrad
+from parallel.strategies.expert_hf import check_hf_experts
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -46,10 +49,19 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and isinstance(getattr(m, "experts", None), (nn.ModuleList, ExpertShard))]
 
 
-def check_experts(model: nn.Module, ep: int, cp: int = 1) -> None:
-    """strategy.ep > 1 needs MoE layers whose expert count divides by ep; MoE layers do not take strategy.cp > 1
-    (their load-balancing loss and capacity are per sequence, Note [auxiliary loss], and cp splits sequences).
+def has_experts(model: nn.Module) -> bool:
+    """Whether `model` has layers whose experts strategy.ep splits: the framework's or Hugging Face's."""
+    return bool(moe_layers(model)) or bool(grouped_experts(model))
+
+
+def check_experts(model: nn.Module, ep: int, cp: int = 1, zero: int = 0, pp: int = 1, tp: int = 1) -> None:
+    """strategy.ep > 1 needs MoE layers whose expert count divides by ep (the framework's interface, or Hugging
+    Face's fused experts: Note [Hugging Face experts over ep] in parallel/strategies/expert_hf.py, which says
+    what they do not take besides); the framework's MoE layers do not take strategy.cp > 1 (their
+    load-balancing loss and capacity are per sequence, Note [auxiliary loss], and cp splits sequences).
     Checked before any worker starts."""
+    if check_hf_experts(model, ep, zero, pp, tp):
+        return
     layers = moe_layers(model)
     if cp > 1 and layers:
         fail("strategy.cp", cp, f"{layers[0][0]} is a mixture-of-experts layer, whose load-balancing loss and "
@@ -58,25 +70,13 @@ def check_experts(model: nn.Module, ep: int, cp: int = 1) -> None:
         return
     if not layers:
         fail("strategy.ep", ep, f"{type(model).__name__} has no mixture-of-experts layer to split over expert "
-             "ranks (a module with a `router` and an nn.ModuleList of `experts`, Note [moe layer])",
+             "ranks (a module with a `router` and an nn.ModuleList of `experts`, Note [moe layer], or Hugging "
+             "Face's fused experts)",
              ["1", "model=moe", "a model whose MoE layers follow that interface"])
     for name, layer in layers:
         if len(layer.experts) % ep:
             fail("strategy.ep", ep, f"must divide the number of experts: {name} has {len(layer.experts)}",
                  [d for d in range(1, len(layer.experts) + 1) if len(layer.experts) % d == 0])
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `factor` (Note [expert parallelism])."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
 
 
 class ExpertShard(nn.ModuleDict):

@@ -55,6 +55,7 @@ from parallel.strategies.context import apply_context, point_stage_attention, se
 from parallel.strategies.context.traced import traceable_attention
 from parallel.strategies.data import blocks_of, data_parallel, mixed_precision, state_sharding
 from parallel.strategies.expert import expert_engine, expert_params, shard_experts
+from parallel.strategies.expert_hf import shard_hf_experts
 from parallel.strategies.pipeline import build_pipeline
 from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.tensor import shard, tensor_plan
@@ -80,6 +81,7 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
             # (no longer in the model) are blocks.
             held = {id(e) for shard in shard_experts(module, mesh, s.zero, mixed_precision(cfg))
                     for e in shard.values()}
+            held |= {id(e) for e in shard_hf_experts(module, mesh, s.zero, mixed_precision(cfg))}
             present = {id(m) for m in module.modules()}
             blocks = [b for b in blocks if id(b) in present and id(b) not in held]
         if data_mesh(mesh).size() > 1:

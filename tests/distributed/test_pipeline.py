@@ -72,6 +72,8 @@ def test_given_split_points_are_used(tmp_path):
 
 
 DICT_LAYERS = ["model=custom", "model._target_=tests.user_model.dict_layers"]
+# test_tensor_parallel's titan_fused_qkv_inferred case: the same reference run
+TITAN = ["model=custom", "model._target_=tests.user_model.titan_llama", "data.task=lm", "data.seq_len=16"]
 
 
 @pytest.mark.timeout(300)
@@ -88,3 +90,12 @@ def test_layers_in_a_module_dict_split_into_stages(reference, tmp_path, split):
     rows = [line.split() for line in log.splitlines() if " .. " in line]
     counts = [int(row[-3].replace(",", "")) for row in rows[-2:]]
     assert [4 * c for c in counts] == cli.metrics(run)[-1]["param_bytes_per_rank"]
+
+
+@pytest.mark.timeout(300)
+def test_torchtitan_fused_attention_saved_by_stock_names_traces_into_stages(reference, tmp_path):
+    """torchtitan's fused wqkv, saved as wq, wk and wv by state-dict hooks, is a weight of its stage, not an input
+    nothing feeds (Note [fused projections traced]); the layers in a ModuleDict take the model's freqs_cis buffer
+    and two more arguments. The stages hold wqkv by its own name: the final weights are single's."""
+    run = pipeline_run(tmp_path, TITAN + ["+model.args.stock_names=true"])
+    cli.assert_same_training(run, reference(cli.FAST + TITAN))

@@ -16,6 +16,10 @@ CASES = {
     # A norm over each head's features after a colwise q, whole with its gradient summed (Note [weights left whole])
     "head_norm_summed": ["model=custom", "model._target_=tests.user_model.head_norm",
                          "strategy.tp_plan=[q:colwise,norm:replicate_grads,o:rowwise]"],
+    # torchtitan's Llama 3 with a fused wqkv and grouped-query attention: inferred, the SwiGLU feed-forwards are
+    # split and the attention (a view and a split after wqkv) left whole (its reference is test_pipeline's too)
+    "titan_fused_qkv_inferred": ["model=custom", "model._target_=tests.user_model.titan_llama", "data.task=lm",
+                                 "data.seq_len=16"],
 }
 TP_ONLY = ("tp_plan", "sequence_parallel")
 

@@ -141,3 +141,43 @@ def test_sequence_parallel_needs_a_model_with_a_sequence_plan():
     cfg.strategy.sequence_parallel = True
     with pytest.raises(ConfigError, match="strategy.sequence_parallel"):
         validate(cfg, 2)
+
+
+def test_fused_qkv_with_grouped_query_attention_is_inferred_with_its_attention_whole():
+    """torchtitan's Llama 3 layout: wqkv's output is viewed and split into q, k and v (no elementwise op), so the
+    attention stays whole; each SwiGLU feed-forward pairs (tests/distributed/test_tensor_parallel.py trains it)."""
+    from tests.user_model import titan_llama
+
+    with torch.device("meta"):
+        plan = infer_plan(titan_llama(), (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    assert plan == {f"layers.{i}.feed_forward.{name}": style for i in (0, 1)
+                    for name, style in (("w1", "colwise"), ("w3", "colwise"), ("w2", "rowwise"))}
+
+
+TITAN = dict(model="custom", target="tests.user_model.titan_llama", args={})
+REFUSED = [  # (a plan whose every style fits its module, the start of the error's text past the key)
+    (dict(target="tests.user_model.swiglu", model="custom", args={}, plan=["blocks.*.w1:colwise",
+                                                                          "blocks.*.w2:rowwise"]),
+     "a rank's forward in blocks.0 (SwiGLUBlock, which holds blocks.0.w1:colwise, blocks.0.w2:rowwise) under tp 2 "
+     "fails (RuntimeError: Attempting to broadcast a dimension of length 64"),  # w3, SwiGLU's up, left whole
+    (dict(TITAN, plan=["layers.*.attention.wqkv:colwise"]),
+     "a rank's forward in layers.0.attention.wo (Linear, which the plan leaves whole) under tp 2 fails "
+     "(RuntimeError: a and b must have same reduction dim"),  # the fused projection's output split, wo whole
+    (dict(TITAN, plan=["lm_head:colwise"]),
+     "a rank's forward of TitanLlama under tp 2 gives outputs of shapes (2, 16, 32) where the whole model's are "
+     "(2, 16, 64): a layer's output left split reaches the output"),
+]
+
+
+@pytest.mark.parametrize("kwargs,rule", REFUSED, ids=["swiglu_up_whole", "wqkv_without_wo", "logits_split"])
+def test_a_plan_that_does_not_fit_the_forward_is_refused_naming_the_layers(kwargs, rule):
+    """Rehearsed on fake tensors before any worker starts (Note [plan rehearsal]); the error names where it failed,
+    the plan's entries there and the plan tried."""
+    cfg = _cfg(**kwargs)
+    if kwargs.get("target") == TITAN["target"]:
+        cfg.data.task, cfg.data.seq_len = "lm", 16
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 2)
+    text = str(info.value)
+    assert text.startswith(f"strategy.tp_plan={kwargs['plan']!r}: {rule}"), text
+    assert text.endswith(f"[the plan tried: {', '.join(kwargs['plan'])}]") and "\n" not in text, text

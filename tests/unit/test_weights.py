@@ -227,20 +227,21 @@ def test_a_directory_missing_the_head_is_listed_once_or_refused_with_strict(hf_d
 
 
 def test_a_body_saved_under_other_names_is_refused_not_trained_from_fresh_values(tmp_path):
-    """A Mixtral directory as save_pretrained writes it (and as Mixtral checkpoints are laid out): per-expert
-    `block_sparse_moe.experts.N.w1/w2/w3`, which transformers 5 converts into its fused `mlp.experts` as it loads.
-    Read under the model's own names, the experts and routers would start from fresh values with one warning
-    line; the body's tensors missing while the files' go unread is a config error instead."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    """A Mixtral directory whose experts are saved under names no conversion of transformers' knows
+    (`experts.N.wi` for the `experts.N.w1` that it fuses into `mlp.experts` as it loads: Note [checkpoint
+    conversion] in parallel/models/hf_conversion.py): read as they are, the experts would start from fresh values
+    with one warning line; the body's tensors missing while the files' go unread is a config error instead."""
+    from safetensors.torch import load_file
 
-    conf = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                         max_position_embeddings=16, use_cache=False)
-    MixtralForCausalLM(conf).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    hf_models.mixtral().save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    save_file({k.replace(".w1.", ".wi."): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
     cfg = hf_cfg(str(tmp_path), strict=False)
-    with pytest.raises(ConfigError, match=r"^model.path=.*: 6 tensors of MixtralForCausalLM's own body are not in the "
-                                          r"files \(model.layers.0.mlp.experts.down_proj, .*\), while 26 of the "
-                                          r"files' go unread \(model.layers.0.block_sparse_moe.experts.0.w1.weight"):
+    with pytest.raises(ConfigError, match=r"^model.path=.*: 2 tensors of MixtralForCausalLM's own body are not in the "
+                                          r"files \(model.layers.0.mlp.experts.gate_up_proj, .*\), while 16 of the "
+                                          r"files' go unread \(model.layers.0.block_sparse_moe.experts.0.w3.weight, "
+                                          r"model.layers.0.block_sparse_moe.experts.0.wi.weight"):
         validate(cfg, 1)
 
 

@@ -71,6 +71,11 @@ def _rewrite(gm: fx.GraphModule, live_in: list[Value], takes: list[Value], name:
     """Make `gm` take `live_in` and return `live_out` (a bare value when there is one)."""
     g = gm.graph
     old = [n for n in g.nodes if n.op == "placeholder"]
+    if len(old) > len(takes):  # what the trace left as an input of the stage that no call feeds
+        unfed = ", ".join(n.name for n in old[len(takes):])
+        raise ValueError(f"the traced stage {name} reads {unfed}, which nothing before it makes: a weight or buffer "
+                         f"that the model's state_dict does not list under its own name (Note [fused projections "
+                         f"traced] in parallel/strategies/pipeline/trace.py)")
     first = next(n for n in g.nodes if n.op != "placeholder")
     env: dict[Value, fx.Node] = {}
     with g.inserting_before(first):

@@ -22,7 +22,21 @@ marked by forward pre-hooks calling `pipe_split()` (what `split_spec` does by wr
 
 Tracing on meta records `device='meta'` in the ops that make or move tensors (positions from
 `torch.arange`, a buffer moved `.to(x.device)`), also inside the blocks; `retarget` points them at the
-rank's device once a stage is built.
+rank's device once a stage is built. A model may also choose an op's dtype by its tensors' device: Hugging
+Face's grouped experts count the tokens per expert with `torch.histc` of the expert ids as integers, except
+on the CPU, whose histc takes floating point only, where it counts them as floats; traced on meta, the
+integer count is recorded, and `retarget` gives a CPU rank's histc its input as floats (the same counts:
+the ids are small integers, exact in fp32), the op the model runs there.
+
+# Note [fused projections traced]
+PyTorch's pipeline() finds each weight the trace reads by the model's `state_dict(keep_vars=True)` and moves
+it into the stage that uses it. A module whose state-dict hooks save its weights under other names has them
+missing there: torchtitan's fused attention (`fuse_qkv=true`, its debug model's default) saves its one
+`wqkv` as the stock `wq`, `wk` and `wv` for checkpoints that the unfused model reads. The weight is then left
+as an input of its stage that nothing feeds (`forward() missing 1 required positional argument: 'live_0'`
+when the stage ran). The copy that is traced has its state-dict hooks removed: the stages hold `wqkv` by its
+own name, as the parameters every strategy keeps; how the user's model saves itself is no part of its
+forward. (tests/user_model.py `titan_llama`; torch 2.13.)
 """
 from __future__ import annotations
 
@@ -55,6 +69,9 @@ def trace(model: nn.Module, example: tuple, starts: list[str]):
     """
     with unset_fake_temporarily():  # under the planner's fake mode a meta buffer would copy as a fake tensor
         model = copy.deepcopy(model)
+    for module in model.modules():  # the copy's own names for its weights (Note [fused projections traced])
+        module._state_dict_hooks.clear()
+        module._state_dict_pre_hooks.clear()
     for name in starts[1:]:
         model.get_submodule(name).register_forward_pre_hook(lambda *_: pipe_split())
     try:
@@ -147,9 +164,10 @@ def retarget(module: nn.Module, device) -> None:
         if not isinstance(sub, (fx.GraphModule, InterpreterModule)):
             continue
         changed = False
-        for node in sub.graph.nodes:
+        for node in list(sub.graph.nodes):
             if node.op != "call_function":
                 continue
+            changed |= _histc_as_floats(sub.graph, node, device)
             if _is_meta(node.kwargs.get("device")):
                 node.update_kwarg("device", device)
                 changed = True
@@ -161,6 +179,19 @@ def retarget(module: nn.Module, device) -> None:
         code = sub if isinstance(sub, fx.GraphModule) else sub.__dict__.get("graph_module")
         if changed and code is not None:
             code.recompile()
+
+
+def _histc_as_floats(graph: fx.Graph, node: fx.Node, device) -> bool:
+    """A histc of integers traced on meta, on a CPU rank: its input converted to fp32 first (see the Note)."""
+    source = node.args[0] if node.target is torch.ops.aten.histc.default else None
+    value = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if value is None or value.is_floating_point() or torch.device(device).type != "cpu":
+        return False
+    with graph.inserting_before(node):
+        floats = graph.call_function(torch.ops.aten.to.dtype, (source, torch.float32))
+    floats.meta.update(source.meta, val=value.float())
+    node.update_arg(0, floats)
+    return True
 
 
 def _is_meta(device) -> bool:

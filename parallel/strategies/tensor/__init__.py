@@ -56,6 +56,7 @@ from parallel.models.lora import adapter_plan
 from parallel.runtime import Runtime
 from parallel.strategies.tensor.checks import check_heads, check_module, check_ties
 from parallel.strategies.tensor.infer import infer_plan
+from parallel.strategies.tensor.rehearse import rehearse
 from parallel.strategies.tensor.styles import STYLES, make_style
 from parallel.tensors import as_call
 
@@ -216,5 +217,17 @@ def check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
 
 def check_plan(model: nn.Module, cfg: Config) -> None:
     """The plan resolves against the model (on meta): styles known, patterns matched, widths and head counts
-    divisible, tied weights split alike."""
-    resolve_plan(model, cfg, as_call(example_input(cfg.data))[0])
+    divisible, tied weights split alike; and a rank's forward and backward under it, rehearsed on fake tensors,
+    give the whole model's output shapes (Note [plan rehearsal] in parallel/strategies/tensor/rehearse.py)."""
+    example = as_call(example_input(cfg.data))[0]
+    plan, source = _resolve(model, cfg, example)
+    if source == "model" and type(model).__module__.startswith("parallel."):
+        return  # a built-in model's own plan, proven against single by the suite (Note [plan rehearsal])
+    s, name = cfg.strategy, type(model).__name__
+    if source == "config":
+        what, hint = f"strategy.tp_plan={list(s.tp_plan)!r}", ""
+    else:
+        whose = {"inferred": f"the plan inferred for {name}", "model": f"{name}'s own plan",
+                 "hugging face": f"{name}'s own (Hugging Face) plan"}[source]
+        what, hint = f"strategy.tp={s.tp}: {whose}", "strategy.tp_plan=[pattern:style,...] replaces it"
+    rehearse(model, plan, s.tp, example, shard, what, hint)
