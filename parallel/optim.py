@@ -29,7 +29,49 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallel.config import Config, OptimConfig, fail, import_target, lr_scales
+from parallel.config import LR_SCHEDULES, Config, OptimConfig, fail, import_target, positive
+
+
+def check_optim(o: OptimConfig) -> None:
+    """The optimizer's and the schedule's own values (the class and its arguments: `check_optimizer`)."""
+    if o.name != "adamw":
+        fail("optim.name", o.name, "unknown optimizer (another class: optim._target_)", ["adamw"])
+    if not o.lr > 0:
+        fail("optim.lr", o.lr, "must be > 0")
+    if o.weight_decay < 0:
+        fail("optim.weight_decay", o.weight_decay, "must be >= 0")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)")
+    lr_scales(o)
+    positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if o.schedule not in LR_SCHEDULES:
+        fail("optim.schedule", o.schedule, "unknown schedule", list(LR_SCHEDULES))
+    if not 0 <= o.min_lr_ratio <= 1:
+        fail("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    if o.decay_steps is not None:
+        positive("optim.decay_steps", o.decay_steps)
+    if not 0 < o.decay_fraction <= 1:
+        fail("optim.decay_fraction", o.decay_fraction, "must be in (0, 1]")
+    if o.scheduler._target_ is not None and o.warmup_steps:
+        fail("optim.warmup_steps", o.warmup_steps, "optim.scheduler._target_ sets the whole schedule (a warmup "
+             "too: torch.optim.lr_scheduler.SequentialLR)", 0)
+
+
+def lr_scales(o: OptimConfig) -> list[tuple[str, float]]:
+    """optim.lr_scale as (pattern, factor) pairs. Raises ConfigError for an entry that is not `pattern:factor`
+    with a factor > 0."""
+    pairs = []
+    for entry in o.lr_scale:
+        pattern, _, factor = str(entry).rpartition(":")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = None
+        if not pattern or value is None or not value > 0:
+            fail("optim.lr_scale", list(o.lr_scale), f"{entry!r} is not 'pattern:factor' with a factor > 0",
+                 "e.g. ['head.*:0.1', '*norm*:2']")
+        pairs.append((pattern, value))
+    return pairs
 
 
 def optimizer_class(o: OptimConfig) -> type:

@@ -48,7 +48,7 @@ kernel's copy. Gloo (a CPU run) reduce-scatters a copy of the whole input,
 allocated inside the collective and split when it is waited on: while a
 reduce-scatter runs, the plan holds one more storage of its input's size (on
 a 125M Llama under data zero 3, the root's gradients: 197 MB, at the peak).
-Each rank role is planned on its own thread (`_in_own_thread`), so DTensor's
+Each rank role is planned on its own thread (`parallel.tensors.in_own_thread`), so DTensor's
 per-thread caches never hand one role the meshes of another.
 
 Values from shapes (parallel.shape_values): fake tensors hold no values, so
@@ -70,9 +70,9 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import threading
 import weakref
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -96,7 +96,7 @@ from parallel.plan_standins import CountingIO, DDPStandIn, InlineExecutor
 from parallel.plan_work import BUCKET, Work, ddp_calls
 from parallel.runtime import Runtime
 from parallel.shape_values import ShapeValues
-from parallel.tensors import local_bytes, plain_tensors, rank_optimizer
+from parallel.tensors import in_own_thread, local_bytes, plain_tensors, rank_optimizer
 from parallel.torch_compat import settle_autograd_threads
 from parallel.torch_patches import meshes_outside_fake, sends_held_by_their_works, static_pipeline_warmup
 from parallel.trainer import build_run
@@ -305,7 +305,8 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
     return [(int(ranks.flatten()[0]), ranks.flatten().tolist()) for ranks in grid]
 
 
-def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False) -> RankPlan:
+def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False,
+              run_dir: str | None = None) -> RankPlan:
     """One training step of `rank`, under fake tensors and a fake process group (Note [planner]); for a CUDA
     run, with what CUDA holds besides (Note [planning for CUDA] in parallel/plan_cuda.py)."""
     # The fake backend registers itself on import; it lives in torch's testing package (heavy: only here).
@@ -329,7 +330,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                           check_disk=False, offload_io=io,  # the plan may be for another machine's disk
                           values=Blank(),  # fake tensors hold no values
                           compile=False,  # planned as the eager run: Note [regional compilation]
-                          target=torch.device("cuda") if cuda else None)
+                          target=torch.device("cuda") if cuda else None,
+                          run_dir=None if run_dir is None else Path(run_dir))  # offload makes its directory there
         settle_autograd_threads()  # before the step's backward on fake tensors: Note [autograd threads and fork]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         account = CudaAccount(fake, cublas_workspace()[0]) if cuda else None
@@ -428,39 +430,15 @@ def _phased_step(run, told: list, step: int) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def _in_own_thread(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` on a new thread. Device meshes made for different ranks compare equal (same
-    layout), and DTensor caches its sharding decisions by mesh, so one rank's plan would be handed
-    meshes whose process groups went with the rank planned before it; meshes also compare by the
-    thread that made them, and DTensor's caches are per thread, so each rank planned on its own
-    thread starts clean."""
-    out: list = []
-
-    def body():
-        try:
-            out.append((True, fn(*args, **kwargs)))
-        except BaseException as e:  # re-raised on the caller's thread
-            out.append((False, e))
-
-    t = threading.Thread(target=body, name="plan-rank")
-    t.start()
-    t.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
-
-
 def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan]:
     """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it)."""
     dims = ParallelDims.of(cfg.strategy, world_size)
     out = []
     with contextlib.ExitStack() as stack:
-        if cfg.run_dir is None:  # offload makes its (here empty) directory there; the caller's cfg keeps None
-            cfg.run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
-            stack.callback(setattr, cfg, "run_dir", None)
+        # Offload makes its (here empty) directory in the run's.
+        run_dir = cfg.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
         for i, (rank, same) in enumerate(roles(dims)):
-            p = _in_own_thread(plan_rank, cfg, dims, rank, by_module=by_module and i == 0)
+            p = in_own_thread("plan-rank", plan_rank, cfg, dims, rank, by_module=by_module and i == 0, run_dir=run_dir)
             p.same_as = same
             out.append(p)
     return out

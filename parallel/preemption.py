@@ -261,7 +261,7 @@ def stop_here(run, checkpoints, step: int) -> Preempted | None:
     _watch.saved = True
     name = signal.Signals(signum).name
     log.warning("preempted by %s: stopped after step %d, saved in %s", name, step, path)
-    return Preempted(name, step, path, Path(run.cfg.run_dir))
+    return Preempted(name, step, path, checkpoints.root.parent)  # checkpoints_of(run_dir)
 
 
 def finish(e: Preempted, requeue: bool) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -53,6 +54,9 @@ class Runtime:
         target: the device the run is for, when the step runs on another: the planner's CPU plan of a CUDA
             run (Note [planning for CUDA] in parallel/plan_cuda.py), whose offload tiers are chosen as under a
             GPU; None: `device`.
+        run_dir: the run directory, the same on every rank: rank 0 hands the model's own initial values over
+            in a file there (Note [initial values]) and offload keeps its disk tier there unless strategy.path
+            says otherwise; None: no directory (values by name; a strategy that needs one says so).
     """
 
     device: torch.device = torch.device("cpu")
@@ -67,3 +71,4 @@ class Runtime:
     values: Any = None
     compile: bool = True
     target: torch.device | None = None
+    run_dir: Path | None = None

@@ -77,13 +77,13 @@ class Run:
 
 
 def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, model=None,
-              data: DataSource | None = None, run_dir: Path | None = None) -> Run:
+              data: DataSource | None = None) -> Run:
     """Build the model on the meta device, hand it to the strategy, and add the optimizer, schedule and data.
 
     `mesh`, `model` (on meta) and `data` may come ready-made (the planner makes
     them outside its fake-tensor mode). The initial values are `runtime.values`;
     when it is None they are made here for `cfg.model` (Note [initial values]),
-    with `run_dir` for the file rank 0 hands the model's own values over in.
+    with `runtime.run_dir` for the file rank 0 hands the model's own values over in.
     """
     mesh = dims.build_mesh(runtime.device.type) if mesh is None else mesh
     model = build_meta_model(cfg.model) if model is None else model
@@ -92,8 +92,8 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     model.train()
     plan = init_plan(model)  # names -> initialization, taken before any partitioning
     if runtime.values is None:
-        values = ByName(cfg.trainer.seed, model) if run_dir is None else \
-            weights.initial_values(cfg.model, cfg.trainer.seed, run_dir, model, plan)
+        values = ByName(cfg.trainer.seed, model) if runtime.run_dir is None else \
+            weights.initial_values(cfg.model, cfg.trainer.seed, runtime.run_dir, model, plan)
         runtime = dataclasses.replace(runtime, values=values)
     engine = parallelize(model, mesh, cfg, runtime, plan)
     names = param_names(engine.state_modules(), {name: entry.canonical for name, entry in plan.items()})
@@ -128,10 +128,9 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
     """
     world = dist.get_world_size()
     dims = ParallelDims.of(cfg.strategy, world)
-    cfg.run_dir = str(run_dir)  # strategies may keep files there (offload's disk tier)
     mesh = dims.build_mesh(device.type)
     set_collective_timeout(cfg.trainer.init_timeout_s)  # the mesh's groups too (Note [two timeouts])
-    run = build_run(cfg, dims, Runtime(device=device), mesh=mesh, run_dir=run_dir)
+    run = build_run(cfg, dims, Runtime(device=device, run_dir=run_dir), mesh=mesh)
     set_collective_timeout(cfg.trainer.init_timeout_s)  # and those the strategy made (a pipeline's)
     weights.done(run_dir)
     console_on(run.is_logger)

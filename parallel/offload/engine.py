@@ -305,7 +305,10 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
 def build_offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
     """strategy=offload: this process's engine, the model streamed block by block (Note [offload engine])."""
     names, _ = candidates(model, *as_call(example_input(cfg.data)))
-    engine = OffloadEngine(model, cfg, runtime, plan, names, cfg.run_dir, build_loss(cfg.loss, cfg.data.task))
+    if runtime.run_dir is None and cfg.strategy.path is None:
+        raise ValueError("strategy=offload keeps its disk tier in the run directory (Runtime.run_dir) or in "
+                         "strategy.path; this build has neither")
+    engine = OffloadEngine(model, cfg, runtime, plan, names, runtime.run_dir, build_loss(cfg.loss, cfg.data.task))
     t = engine.tier_names
     if not engine.blocks:
         log.warning("offload: no blocks found (the model's children called by its forward, or a ModuleList's "

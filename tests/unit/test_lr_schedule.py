@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from parallel.config import Config, ConfigError, OptimConfig, check_optim
+from parallel.config import Config, ConfigError, OptimConfig
 from parallel.lr_schedule import build_scheduler, check_schedule, group_settings, lr_factor, restore_scheduler
+from parallel.optim import check_optim
 
 
 def optim(**kw) -> OptimConfig:
