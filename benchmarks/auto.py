@@ -1,4 +1,4 @@
-"""strategy=auto's predicted step times against every candidate run by name (Note [cost model] in parallel/cost.py).
+"""strategy=auto's predicted step times against every candidate run by name (Note [cost model] in parallel/planning/cost.py).
 
     python benchmarks/auto.py [--models mlp,gpt] [--nproc 2] [--rounds 2] [--steps 24] [--calibration PATH]
                               [--calibrate-each-round] [--pairs 3]

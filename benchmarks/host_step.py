@@ -2,7 +2,7 @@
 
     python benchmarks/host_step.py [--params 48e6] [--blocks 12] [--repeats 5] [--threads 0]
 
-strategy=offload steps AdamW on the host (Note [offload engine] in parallel/offload/engine.py), one block's
+strategy=offload steps AdamW on the host (Note [offload engine] in parallel/strategies/offload/engine.py), one block's
 parameters at a time. This measures, on the same fp32 tensors (the model's weights cut into --blocks blocks
 of tensors shaped like a transformer block's), each of torch's functional AdamW forms:
 

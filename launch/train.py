@@ -19,7 +19,6 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from parallel.auto import chart, choose, device_budget, table  # noqa: E402
 from parallel.config import ConfigError, strategy_spec, to_dict  # noqa: E402
 from parallel.dims import check_gpus  # noqa: E402
 from parallel.entry import check_choices, exit_with, reported  # noqa: E402
@@ -34,6 +33,7 @@ from parallel.launcher import (  # noqa: E402
 )
 from parallel.models.build import build_meta_model  # noqa: E402
 from parallel.models.weights import check_init_memory  # noqa: E402
+from parallel.planning.auto import chart, choose, device_budget, table  # noqa: E402
 from parallel.validate import to_config, validate  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main(dcfg: DictConfig) -> None:
 
 
 def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
-    """strategy=auto: plan the candidates, print them ranked, keep the fastest that fits (parallel.auto)."""
+    """strategy=auto: plan the candidates, print them ranked, keep the fastest that fits (parallel.planning.auto)."""
     if started_by is not None:
         raise ConfigError(f"strategy='auto': chooses before the workers start, and {started_by} has started "
                           f"them; run `python launch/train.py strategy=auto nproc={world} ...` (or "

@@ -308,7 +308,7 @@ class MemoryConfig:
 
 @dataclass
 class PlanConfig:
-    # calibration.json made by launch/calibrate.py (Note [calibration] in parallel/calibration.py): the rates
+    # calibration.json made by launch/calibrate.py (Note [calibration] in parallel/planning/calibration.py): the rates
     # launch/plan.py and strategy=auto price a step with; None: this process measured at start.
     calibration: Optional[str] = None
     # launch/plan.py: each module's bytes on the first rank (plan.json by_module), its `top` largest printed.
@@ -351,7 +351,7 @@ def to_dict(cfg: Config) -> dict:
 
 # Groups that name a user's callable in `_target_` and may give its keyword arguments beside it, as Hydra's
 # `instantiate` takes them, instead of under `args`: their nodes take keys their schema lacks, and
-# parallel.targets moves those into `args` (and refuses them without a `_target_`).
+# parallel.instantiate moves those into `args` (and refuses them without a `_target_`).
 TARGET_GROUPS = ("model", "data", "loss", "optim")
 
 

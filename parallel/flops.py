@@ -34,7 +34,7 @@ def _attention_backward(grad_out, query, key, value, *args, out_val=None, **kwar
 
 # torch's table has formulas for the CUDA attention kernels (flash, efficient, cuDNN) only; on the CPU
 # scaled_dot_product_attention runs these, which would count as no FLOPs (and a CUDA run planned on the CPU
-# records them: Note [step work] in parallel/plan_work.py). The same products as torch's formula for the flash
+# records them: Note [step work] in parallel/planning/work.py). The same products as torch's formula for the flash
 # kernel, written here for any head grouping (torch 2.11's own refuses grouped key/value heads).
 _CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _attention,
                   aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward}

@@ -36,7 +36,7 @@ A loss that is not finite while the gradient norm is (only a loss whose backward
 ignores its value can do that) is seen by its own rank alone, which cannot drop
 a step the others apply: that rank stops the run under either setting.
 
-Offload steps its own optimizer (parallel/offload/adamw.py): with clipping its
+Offload steps its own optimizer (parallel/strategies/offload/adamw.py): with clipping its
 step runs after this check, like every other engine's; without clipping its
 blocks step during backward, so each block's gradients are checked before its
 step there, and a non-finite one stops every later block's step (under skip the

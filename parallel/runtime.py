@@ -5,7 +5,7 @@ A strategy builds this rank's engine from the model, the mesh and the config;
 everything else it needs from outside (the device; how ranks agree on a value;
 whether stage shapes are known up front; threads; how a model is replicated by
 DDP; the offload tiers' I/O) comes in through one `Runtime`. A worker uses the
-defaults, which are the real things. The planner (parallel.planner) runs the
+defaults, which are the real things. The planner (parallel.planning.planner) runs the
 same code on fake tensors and a fake process group, where values cannot be read,
 exchanged or written to disk, and passes stand-ins instead: nothing of the
 project is patched at run time, so a rename cannot silently break planning.
@@ -46,13 +46,13 @@ class Runtime:
         replicate: DDP's `replicate(model, device_mesh=...)`; None: torch's.
         check_disk: check that the offload directory has room before writing to it.
         offload_io: stand-ins for offload's disk tier and activation store (see
-            parallel.offload.engine); None: the real ones.
+            parallel.strategies.offload.engine); None: the real ones.
         values: where every tensor's initial value comes from (a parallel.init.values.Values; Note
             [initial values]); None: by name from trainer.seed (parallel.init.values.ByName).
         compile: trainer.compile may compile the blocks; the planner plans the eager run (Note [regional
             compilation] in parallel/strategies/compile.py).
         target: the device the run is for, when the step runs on another: the planner's CPU plan of a CUDA
-            run (Note [planning for CUDA] in parallel/plan_cuda.py), whose offload tiers are chosen as under a
+            run (Note [planning for CUDA] in parallel/planning/cuda.py), whose offload tiers are chosen as under a
             GPU; None: `device`.
         run_dir: the run directory, the same on every rank: rank 0 hands the model's own initial values over
             in a file there (Note [initial values]) and offload keeps its disk tier there unless strategy.path

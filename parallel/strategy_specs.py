@@ -18,7 +18,7 @@ each applied where its degree is above 1, and derives unset degrees together (pa
     offloads      check_strategy (activation tiers), validate (the disk's room), auto (transfers), the advice
                   after an out-of-memory (parallel.memory.oom)
     compiles      parallel.strategies.compile
-    chooses       validate, launch/train.py and launch/plan.py (plan the candidates first: parallel.auto)
+    chooses       validate, launch/train.py and launch/plan.py (plan the candidates first: parallel.planning.auto)
     keys          the strategy's schema (Note [strategy schemas])
 
 # Note [strategy schemas]
@@ -174,7 +174,7 @@ SPECS: dict[str, StrategySpec] = {
     # Its blocks' weights and activations move through its own hooks, which compiled blocks do not follow.
     "offload": StrategySpec(spreads=(), zero=NO_ZERO, one_device=True, offloads=True, compiles=False,
                             chooses=False, keys=_keys(OFFLOAD, ACTIVATIONS)),
-    # Plans the others (parallel.auto); its candidates take the user's schedule and microbatches.
+    # Plans the others (parallel.planning.auto); its candidates take the user's schedule and microbatches.
     "auto": StrategySpec(spreads=(), zero=NO_ZERO, one_device=False, offloads=False, compiles=False,
                          chooses=True, keys=("schedule", "microbatches")),
 }

@@ -91,7 +91,7 @@ class Throughput:
 
 def auto_prediction(run_dir: Path) -> float | None:
     """The step time strategy=auto predicted for the candidate it started (Note [cost model] in
-    parallel/cost.py), as launch/train.py wrote it into the run's auto.json; None for a run auto did not
+    parallel/planning/cost.py), as launch/train.py wrote it into the run's auto.json; None for a run auto did not
     choose."""
     path = Path(run_dir) / "auto.json"
     if not path.is_file():

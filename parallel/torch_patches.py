@@ -1,7 +1,7 @@
 """The patches of PyTorch's private internals the planner and the pipeline's evaluation need, in one place,
 and why (checked on torch 2.11-2.15: Note [torch versions] in parallel/torch_compat.py).
 
-The planner (Note [planner] in parallel/planner.py) runs the real training step
+The planner (Note [planner] in parallel/planning/planner.py) runs the real training step
 on fake tensors and a fake process group. Everything of the project's that must
 behave differently there is passed in through the run's Runtime (Note
 [runtime]); the three places below are inside PyTorch, with no argument to pass

@@ -2,7 +2,7 @@
 
 `run_training` is what a worker does once its process group and run directory
 exist (parallel.launcher); `build_run` is also what the planner runs on fake
-tensors (parallel.planner), so both build exactly the same thing.
+tensors (parallel.planning.planner), so both build exactly the same thing.
 """
 from __future__ import annotations
 

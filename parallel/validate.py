@@ -31,13 +31,13 @@ from parallel.config import (
 )
 from parallel.data import check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
+from parallel.instantiate import move_beside_keys
 from parallel.loss import check_loss, check_loss_config, derive_output_loss
 from parallel.lr_schedule import check_schedule
 from parallel.memory.budget import check_memory
 from parallel.models.build import check_model, check_model_takes_data
 from parallel.models.hf import derive_auto_class
 from parallel.models.weights import check_weights
-from parallel.offload.check import check_offload_disk
 from parallel.optim import check_optim, check_optimizer
 from parallel.preemption import check_requeue
 from parallel.profiling import check_profile
@@ -45,9 +45,9 @@ from parallel.strategies import check_strategy
 from parallel.strategies.compile import check_compile
 from parallel.strategies.context import check_context
 from parallel.strategies.expert import check_experts
+from parallel.strategies.offload.check import check_offload_disk
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
 from parallel.strategies.tensor import check_plan, check_tensor_keys
-from parallel.targets import move_beside_keys
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -75,7 +75,7 @@ def to_config(cfg: DictConfig | dict) -> Config:
 def refuse_appended_keys(node: DictConfig, path: str = "") -> None:
     """A key that Hydra's `+key=value` appended where the schema has none (Hydra opens a node to append to
     it, whatever its schema): a ConfigError naming it, the closest key and the valid ones. The groups whose
-    `_target_` takes keyword arguments beside it (TARGET_GROUPS) take any key at their top (parallel.targets
+    `_target_` takes keyword arguments beside it (TARGET_GROUPS) take any key at their top (parallel.instantiate
     checks those), their nested settings not; the strategy's keys are its schema's (`strategy_config`)."""
     cls = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(cls):
@@ -165,7 +165,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_memory(cfg.memory)
     s = cfg.strategy
     spec = strategy_spec(s.name)  # its row of the table (Note [strategy table])
-    if spec.chooses:  # each candidate is validated as it is tried (parallel.auto)
+    if spec.chooses:  # each candidate is validated as it is tried (parallel.planning.auto)
         check_optimizer(cfg, check_model(cfg.model))
         return
     # 2. The strategy's keys, by name first (a plain strategy may reject a degree while resolving), then the

@@ -71,7 +71,7 @@ def materialize_and_init(model: nn.Module, device: torch.device, plan: InitPlan,
 def _plain_meta_parameters(model: nn.Module) -> None:
     """Turn fake meta parameters into plain meta ones, keeping ties.
 
-    The planner (parallel.planner) builds strategies under FakeTensorMode; a
+    The planner (parallel.planning.planner) builds strategies under FakeTensorMode; a
     module made there (a traced pipeline stage) holds fake parameters, which
     `to_empty` can only move by swapping tensors, and FakeTensorMode's own weak
     references forbid that swap. Plain meta parameters move without one.

@@ -32,15 +32,15 @@ stops where the holes fit: a process allocating and freeing two 40 MB tensors a 
 8 rounds in one run, to 426 MB in another, for 80 MB in use. Such a process keeps the most its heap ever held
 until it exits. A worker that computes on a GPU does not: its host blocks are copies the step does not repeat
 (checkpoints, an export's full weights), which would then stay. Offload sets its own later
-(parallel/offload/engine.py: memory it moved out must leave the process), and then gives back what the heap
+(parallel/strategies/offload/engine.py: memory it moved out must leave the process), and then gives back what the heap
 already holds free (`trim_host_heap`): new thresholds only decide what happens to blocks freed after them, and
 until offload takes over its worker keeps what it frees, above all the whole model rank 0 builds under
 model.init=module to write its initial weights (parallel/models/weights.py). Kept, those 512 MiB of a 134M MLP
 (hidden 2896, depth 16) stayed beside the pages of that file as offload read it back a block at a time: a peak
 of 1,350 MiB against single's 2,504 (0.54x), 869 MiB (0.35x: the model built once) trimmed
 (tests/distributed/test_offload.py, the peak RSS against single's). A process that times a plan's op calls
-(parallel.cost's replay, and launch/calibrate.py's measuring processes) sets the same first, so that it times them
-as a worker makes them (parallel/replay.py: `_touch_heap`).
+(parallel.planning.cost's replay, and launch/calibrate.py's measuring processes) sets the same first, so that it times them
+as a worker makes them (parallel/planning/replay.py: `_touch_heap`).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ class LiveTensorBytes(TorchDispatchMode):
     trainer watches, and exact by construction.
 
     `block`: each storage counts as its bytes rounded up to a multiple of it (1: as they are; the planner's
-    CUDA plans pass the caching allocator's 512, Note [planning for CUDA] in parallel/plan_cuda.py).
+    CUDA plans pass the caching allocator's 512, Note [planning for CUDA] in parallel/planning/cuda.py).
     """
 
     def __init__(self, device_type: str = "cpu", block: int = 1):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.layers import LocallyConnected2d
+from parallel.models.layers import LocallyConnected2d
 
 
 class Local(nn.Module):

@@ -19,7 +19,7 @@ routing figures. The planner (fake tensors, no trace) cannot read the routing ei
 balanced step: the n x top_k choices of a rank spread evenly over the E experts, each expert run on its
 share; under expert parallelism the shard's own exchange runs at those sizes (`ExpertShard.exchange`, the
 all-to-alls of the real run, so the plan holds their buffers and counts their bytes: Note [auto] in
-parallel/auto.py). No choice is dropped, as a balanced router drops none under a capacity factor of 1 or
+parallel/planning/auto.py). No choice is dropped, as a balanced router drops none under a capacity factor of 1 or
 more (a real router, uneven, may drop some; under 1, the plan is of a larger step than the run's).
 
 # Note [auxiliary loss]

@@ -64,7 +64,7 @@ class Stacked(nn.Module):
         self.head = nn.ModuleList([Block(hidden, hidden) for _ in range(head_depth)] + [nn.Linear(hidden, out_features)])
 
     # Split in two so that strategy=offload can run the frozen part one batch
-    # ahead of the head (Note [frozen lookahead] in parallel.offload.lookahead).
+    # ahead of the head (Note [frozen lookahead] in parallel.strategies.offload.lookahead).
     def frozen_forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # nothing flows back into the extractor
             for block in self.frozen:

@@ -1,7 +1,7 @@
 """auto.png: strategy=auto's ranked candidates, their predicted step times and whether they fit in memory.
 
 One row per planned candidate, in the order given (the ranking: those that fit, fastest first, then those
-over the budget). Left: the cost model's predicted step time (Note [auto] in parallel/auto.py), stacked
+over the budget). Left: the cost model's predicted step time (Note [auto] in parallel/planning/auto.py), stacked
 as compute, pipeline bubble, communication and offload transfers. Right: the planned peak per rank
 against the budget. The chosen candidate is marked; those over the budget are hatched and faded.
 """

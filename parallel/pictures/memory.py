@@ -1,7 +1,7 @@
 """memory.png: each rank's (or rank role's) planned peak memory as stacked bars by kind, against the budget.
 
 launch/plan.py draws it beside plan.json from the planner's breakdown (Note [planner] in
-parallel/planner.py): params, grads, optimizer, activations and temp at each role's peak.
+parallel/planning/planner.py): params, grads, optimizer, activations and temp at each role's peak.
 """
 from __future__ import annotations
 

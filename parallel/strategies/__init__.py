@@ -22,13 +22,13 @@ from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
 from parallel.metrics import log
-from parallel.offload.check import check_offload
-from parallel.offload.engine import build_offload
 from parallel.runtime import Runtime
 from parallel.strategies.compile import compile_model
 from parallel.strategies.context import apply_context
 from parallel.strategies.data import apply_data, state_sharding
 from parallel.strategies.hybrid import build_hybrid
+from parallel.strategies.offload.check import check_offload
+from parallel.strategies.offload.engine import build_offload
 from parallel.strategies.pipeline import build_pipeline
 from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.single import apply_single

@@ -36,7 +36,7 @@ materialization (compilation records no tensors until the first call):
       each block's weights between tiers and run its recomputation themselves,
       per block and per microbatch; compiling the blocks under them is untried,
       and a parity test would have to show it first.
-The planner (parallel.planner) plans the eager run: `Runtime.compile` is False
+The planner (parallel.planning.planner) plans the eager run: `Runtime.compile` is False
 there, since fake tensors have no values to compile against, and compiled code
 changes time, not the weights, gradients and optimizer state it counts.
 """

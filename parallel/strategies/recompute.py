@@ -8,7 +8,7 @@ PyTorch's composable `checkpoint` is used (non-reentrant, hooks on the block
 module) rather than `checkpoint_wrapper`, because it leaves parameter names
 unchanged (Note [initialization by name]) and composes with the tensor plan,
 DDP and FSDP2 units applied after it. Offload recomputes through its own
-engine (parallel.offload.hooks).
+engine (parallel.strategies.offload.hooks).
 
 Which modules are blocks: the children of the model's ModuleLists and
 Sequentials (a transformer's layers, an MLP's hidden layers); a model without

@@ -7,7 +7,7 @@ parallel/strategies/pipeline/stages.py): trained, resumed on one process, and pl
 import pytest
 
 from parallel.config import Config
-from parallel.planner import plan
+from parallel.planning.planner import plan
 from parallel.validate import resolve
 from tests import cli
 from tests.hf_models import DATA, HF_FAST, args, assert_as_plain

@@ -108,7 +108,7 @@ def test_peak_memory_is_bounded_by_block_size_and_prefetch(tmp_path):
     state = weights + single["optim_state_bytes_per_rank"][0] + weights  # + gradients
     step_own = single["mem_peak_bytes"] - state  # activations and temporaries of one step
     block = 256 * 256 * 4 + 256 * 4  # the largest block: one Linear(256, 256)
-    pool = 4 * (1 + 1) + 2  # buffers for prefetch=1 (parallel.offload.engine), all allocated at the start
+    pool = 4 * (1 + 1) + 2  # buffers for prefetch=1 (parallel.strategies.offload.engine), all allocated at the start
     assert offload["mem_peak_bytes"] <= (pool + 1) * block + step_own
     assert offload["mem_peak_bytes"] < single["mem_peak_bytes"] / 3
 

@@ -1,5 +1,5 @@
 """strategy=auto's candidate list (Note [auto]): microbatch counts for pipelines, recomputed variants."""
-from parallel.auto import Candidate, candidates, recomputed
+from parallel.planning.auto import Candidate, candidates, recomputed
 
 
 def test_pipelines_are_tried_with_several_microbatch_counts():

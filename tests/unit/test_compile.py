@@ -7,7 +7,7 @@ import torch
 from parallel.blocks import repeated_blocks
 from parallel.config import Config, ConfigError
 from parallel.models.build import build_meta_model
-from parallel.planner import plan
+from parallel.planning.planner import plan
 from parallel.strategies.compile import CompileClock
 from parallel.validate import validate
 

@@ -7,16 +7,16 @@ import logging
 import pytest
 import torch
 
-from parallel.calibration import Calibration, call_seconds, fit_replay, measure_dtensor_op, quick
-from parallel.calibration_runs import fit_comm, fit_in_step, measure_steps
 from parallel.config import Config, ConfigError
-from parallel.cost import comm_time, compute_time, load, step_times
 from parallel.hardware import last_level_cache
 from parallel.models.build import build_meta_model
-from parallel.plan_standins import DDPStandIn
-from parallel.plan_work import Work, byte_class, ddp_calls, size_class, spec
-from parallel.planner import plan
-from parallel.replay import Replay, _real, probe_time
+from parallel.planning.calibration import Calibration, call_seconds, fit_replay, measure_dtensor_op, quick
+from parallel.planning.calibration_runs import fit_comm, fit_in_step, measure_steps
+from parallel.planning.cost import comm_time, compute_time, load, step_times
+from parallel.planning.planner import plan
+from parallel.planning.replay import Replay, _real, probe_time
+from parallel.planning.standins import DDPStandIn
+from parallel.planning.work import Work, byte_class, ddp_calls, size_class, spec
 from parallel.validate import validate
 
 
@@ -307,10 +307,10 @@ def test_the_cache_size_is_read(monkeypatch):
 
 def test_replay_touches_the_heaps_top_where_a_warm_up_faulted_pages_in(monkeypatch):
     """On a CPU a call shape is warmed on every operand set; where that faulted pages in (its outputs on memory
-    not in use), the heap's top is written (parallel.replay._touch_heap, under the workers' allocator
-    settings, parallel.cost._replay) and the sets warmed again before the call is timed, so that its outputs
+    not in use), the heap's top is written (parallel.planning.replay._touch_heap, under the workers' allocator
+    settings, parallel.planning.cost._replay) and the sets warmed again before the call is timed, so that its outputs
     land on memory in use as a worker's do; where it did not, and on another device, no touch."""
-    import parallel.replay as replay_module
+    import parallel.planning.replay as replay_module
 
     events = []
     monkeypatch.setattr(replay_module, "_touch_heap", lambda: events.append("touch"))
@@ -327,7 +327,7 @@ def test_replay_touches_the_heaps_top_where_a_warm_up_faulted_pages_in(monkeypat
     events.clear()
     assert Replay(torch.device("meta"))._time(key, 1) is not None  # timed there too, without a touch
     assert events and "touch" not in events
-    import parallel.cost as cost  # the process that replays takes the workers' allocator settings first
+    import parallel.planning.cost as cost  # the process that replays takes the workers' allocator settings first
 
     events.clear()
     monkeypatch.setattr(cost, "steady_host_allocations", lambda keep_large=False: events.append(("steady", keep_large)))
@@ -347,7 +347,7 @@ def test_replay_takes_a_call_at_the_speed_the_machine_was_calibrated_at(monkeypa
     def nap(ms):  # a call of `ms` milliseconds by the replay's clock, whatever else the machine is doing
         now[0] += ms / 1e3
 
-    key = (nap, ("tuple", ("value", 2.0)), ("dict",))  # as parallel.plan_work.spec describes nap(2.0)
+    key = (nap, ("tuple", ("value", 2.0)), ("dict",))  # as parallel.planning.work.spec describes nap(2.0)
     replay = Replay(torch.device("cpu"), probe_s=1.0, clock=lambda: now[0])
     monkeypatch.setattr(replay, "_speed", lambda: 2.0)
     assert replay._time(key) == pytest.approx(1e-3)  # 2 ms, twice as slow as calibrated
@@ -356,7 +356,7 @@ def test_replay_takes_a_call_at_the_speed_the_machine_was_calibrated_at(monkeypa
 def test_replayed_calls_are_held_to_the_calibration_s_own_probe(monkeypatch):
     """replay_for: a plan's calls are held to the probe the calibration's replaying process timed alone; a file
     without one (made before it was kept), to its rate of products of the probe's size."""
-    import parallel.cost as cost
+    import parallel.planning.cost as cost
 
     monkeypatch.setattr(cost, "_replay", lambda kind, threads, probe_s: probe_s)
     cfg = Config()
@@ -372,7 +372,7 @@ def test_replayed_calls_are_held_to_the_calibration_s_own_probe(monkeypatch):
 def test_reference_steps_are_replayed_at_one_probe_speed(monkeypatch):
     """measure_steps times the probe once, alone, and holds its replays to it; launch/calibrate.py's later rounds
     of the same steps are held to the first round's probe."""
-    import parallel.calibration_runs as runs
+    import parallel.planning.calibration_runs as runs
 
     held = []
     monkeypatch.setattr(runs, "Replay", lambda device, probe_s: held.append(probe_s) or Replay(device, probe_s=probe_s))
@@ -397,7 +397,7 @@ def test_quick_measures_every_term():
 def test_a_slope_of_ops_that_came_out_flat_is_measured_again(monkeypatch):
     """measure_ops: a slow stretch over the shallow step's batches made the deeper step no slower (the suite's
     other process, once); an op costs something, so the slope is measured again."""
-    import parallel.calibration as calibration
+    import parallel.planning.calibration as calibration
 
     timings = iter([{1: 2e-3, 8: 2e-3}, {1: 1e-3, 8: 3e-3}])
     calls = []

@@ -148,3 +148,24 @@ def test_walkthrough_names_what_exists():
                 assert re.search(rf"^\s+def {member}\b", source, re.MULTILINE), f"{file}: no method {name}"
             else:
                 assert re.search(rf"^(def|class) {name}\b", source, re.MULTILINE), f"{file}: no {name}"
+
+
+def test_the_readme_layout_names_every_module_on_disk_and_nothing_else():
+    """README's Layout tables: every module and package of parallel/ (and of parallel/planning/, named with its
+    folder) is in them, and every name in their modules column is on disk."""
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):text.index("## Where to read next")]
+    named = set()
+    for line in layout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 2 and not all(c and set(c) <= set("-") for c in cells):
+            column = cells[1] if len(cells) == 3 else cells[0]
+            named |= set(re.findall(r"`([\w/]+(?:\.py|/))`", column))
+    parallel = ROOT / "parallel"
+    on_disk = {p.name + ("/" if p.is_dir() else "") for p in parallel.iterdir()
+               if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())}
+    on_disk = (on_disk - {"planning/"}) | {f"planning/{p.name}" for p in (parallel / "planning").glob("*.py")
+                                           if p.name != "__init__.py"}
+    assert on_disk - named == set(), f"modules the Layout does not name: {sorted(on_disk - named)}"
+    assert named - on_disk == set(), f"names in the Layout with no module: {sorted(named - on_disk)}"
+

@@ -16,8 +16,8 @@ if mode == "steady":
     assert steady_host_allocations()
 if mode in ("cpu", "offload"):
     assert steady_host_allocations(keep_large=True)
-if mode == "offload":  # what the offload engine sets after the worker's setting (parallel/offload/engine.py)
-    from parallel.offload.engine import _return_freed_memory
+if mode == "offload":  # what the offload engine sets after the worker's setting (parallel/strategies/offload/engine.py)
+    from parallel.strategies.offload.engine import _return_freed_memory
     _return_freed_memory()
 def step():
     tensors = [torch.ones(size) for _ in range(count)]
@@ -62,7 +62,7 @@ def test_a_cpu_workers_blocks_above_32_mib_stay_in_the_process_and_offload_retur
 KEPT = """
 import torch
 from parallel.memory.host import steady_host_allocations
-from parallel.offload.engine import _return_freed_memory
+from parallel.strategies.offload.engine import _return_freed_memory
 def rss():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
 assert steady_host_allocations(keep_large=True)

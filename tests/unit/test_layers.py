@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.layers import LocallyConnected1d, LocallyConnected2d
+from parallel.models.layers import LocallyConnected1d, LocallyConnected2d
 
 
 def reference_1d(x, weight, bias, k, s, p):

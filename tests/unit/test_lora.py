@@ -6,7 +6,7 @@ import pytest
 from parallel.config import Config, ConfigError, LoraConfig, ModelConfig
 from parallel.models.build import build_meta_model
 from parallel.models.lora import adapter_plan, base_name, exported_name
-from parallel.planner import plan
+from parallel.planning.planner import plan
 from parallel.validate import validate
 
 LLAMA = "tests.hf_models.llama"

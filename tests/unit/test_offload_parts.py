@@ -1,5 +1,5 @@
 """The intricate parts of strategy=offload, each tested alone in one process on the CPU (Note [offload engine] in
-parallel/offload/engine.py): the buffer pool, the layout of blocks, the weight stream over a disk tier, the hooks
+parallel/strategies/offload/engine.py): the buffer pool, the layout of blocks, the weight stream over a disk tier, the hooks
 that stream blocks through forward and backward, and the block-by-block optimizer step.
 
 tests/distributed/test_offload.py trains whole runs against strategy=single; these say which part is wrong."""
@@ -15,17 +15,17 @@ from parallel.config import Config
 from parallel.init import init_plan
 from parallel.init.values import Values
 from parallel.loss import build_loss
-from parallel.offload.engine import OffloadEngine
-from parallel.offload.layout import Layout
-from parallel.offload.pool import BufferPool
-from parallel.offload.stream import WeightStream
-from parallel.offload.tiers import ALIGN, Counters, DiskTier, aligned, finish
 from parallel.optim import clip_grads
 from parallel.runtime import Runtime
+from parallel.strategies.offload.engine import OffloadEngine
+from parallel.strategies.offload.layout import Layout
+from parallel.strategies.offload.pool import BufferPool
+from parallel.strategies.offload.stream import WeightStream
+from parallel.strategies.offload.tiers import ALIGN, Counters, DiskTier, aligned, finish
 
 CPU = torch.device("cpu")
 # The engine relies on the first block's backward pre-hook firing without inputs that need gradients
-# (parallel/offload/hooks.py silences torch's warning, which pytest shows again).
+# (parallel/strategies/offload/hooks.py silences torch's warning, which pytest shows again).
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 

@@ -14,7 +14,7 @@ from parallel.optim import (
     state_per_weight,
     state_shapes,
 )
-from parallel.planner import plan
+from parallel.planning.planner import plan
 from parallel.strategies.pipeline.partition import BlockCost, stage_memory
 from parallel.validate import validate
 

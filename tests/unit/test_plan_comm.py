@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from parallel.plan_comm import CommBytes
+from parallel.planning.comm import CommBytes
 
 S = 1024  # bytes handed to each op: 256 fp32
 

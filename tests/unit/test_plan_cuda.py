@@ -1,4 +1,4 @@
-"""Plans of CUDA runs made on this CPU-only host (Note [planning for CUDA] in parallel/plan_cuda.py): bf16 autocast's
+"""Plans of CUDA runs made on this CPU-only host (Note [planning for CUDA] in parallel/planning/cuda.py): bf16 autocast's
 tensors, the caching allocator's rounding, cuBLAS workspaces, torch.optim's foreach step, offload's pinned host
 memory, and strategy=auto choosing for a GPU it does not see."""
 import pytest
@@ -7,11 +7,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
-from parallel.auto import choose, device_budget
 from parallel.config import Config, ConfigError
 from parallel.memory.tracker import LiveTensorBytes
-from parallel.plan_cuda import HOPPER_WORKSPACE, OLDER_WORKSPACE, CudaAccount, allocated, cublas_workspace, pinned
-from parallel.planner import KINDS, plan
+from parallel.planning.auto import choose, device_budget
+from parallel.planning.cuda import HOPPER_WORKSPACE, OLDER_WORKSPACE, CudaAccount, allocated, cublas_workspace, pinned
+from parallel.planning.planner import KINDS, plan
 from parallel.validate import validate
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="planning without a GPU")

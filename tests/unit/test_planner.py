@@ -7,7 +7,7 @@ import torch
 
 from parallel.config import Config
 from parallel.models.build import build_meta_model
-from parallel.planner import plan
+from parallel.planning.planner import plan
 from parallel.strategies.data import blocks_of
 from parallel.validate import validate
 

@@ -4,7 +4,7 @@ gradient reduction) and what ZeRO 1 shards (the optimizer state, wherever strate
 import pytest
 
 from parallel.models.build import build_meta_model
-from parallel.planner import plan
+from parallel.planning.planner import plan
 from parallel.strategies.data import blocks_of
 from parallel.validate import validate
 from tests.unit.test_planner import COUNT, GPT, MOE, _bytes, _config

@@ -60,7 +60,7 @@ def test_a_run_resumed_inside_the_range_profiles_the_rest_of_it(tmp_path):
 def test_offload_transfers_on_their_io_threads_are_named(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from parallel.offload.tiers import Counters, DiskTier
+    from parallel.strategies.offload.tiers import Counters, DiskTier
 
     io = ThreadPoolExecutor(1)
     tier = DiskTier(tmp_path / "offload" / "params", Counters(), io)

@@ -1,4 +1,4 @@
-"""The planner's values from shapes (parallel.shape_values, Note [planner]): positions are real under fake
+"""The planner's values from shapes (parallel.planning.shape_values, Note [planner]): positions are real under fake
 tensors, so a Hugging Face model takes the real run's attention path and saves the same tensors for backward."""
 import contextlib
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from parallel.shape_values import LIMIT, ShapeValues
+from parallel.planning.shape_values import LIMIT, ShapeValues
 from tests import hf_models
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from parallel.auto import _strategy, candidates, recomputed
+from parallel.planning.auto import _strategy, candidates, recomputed
 from parallel.strategies import STRATEGIES
 from parallel.strategy_specs import SCHEMAS, SPECS, StrategyConfig, pipelined, takers, tensor_parallel
 from tests.unit.test_configs import compose_cfg

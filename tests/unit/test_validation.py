@@ -165,7 +165,7 @@ def test_cp_degrees_derive(name, given, derived):
 
 
 def test_mesh_order_and_planner_roles():
-    from parallel.planner import roles
+    from parallel.planning.planner import roles
 
     dims = ParallelDims(dp=2, pp=2, tp=1, cp=2, ep=1, world_size=8)
     assert dims.names == ("dp", "ep", "pp", "cp", "tp") and dims.shape == (2, 1, 2, 2, 1)
@@ -193,7 +193,7 @@ def test_parse_bytes(text, value):
 
 
 def test_disk_check_names_the_bytes_needed(tmp_path):
-    from parallel.offload.tiers import check_disk
+    from parallel.strategies.offload.tiers import check_disk
 
     assert check_disk(tmp_path / "new" / "dir", 1) is None
     why = check_disk(tmp_path, 10**18)

@@ -21,7 +21,7 @@ Style names (parallel.strategies.tensor.styles):
                     last layer whose full output the loss needs.
     rowwise_split   RowwiseParallel taking a whole (replicated) input, which each rank cuts.
     sequence        SequenceParallel: norms and dropout on sequence shards.
-    positions       PositionwiseParallel (parallel.layers): a locally connected
+    positions       PositionwiseParallel (parallel.models.layers): a locally connected
                     layer's output positions split over the ranks; input
                     replicated, output gathered (whole).
     replicate       leave the module whole on every rank.

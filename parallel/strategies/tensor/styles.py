@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from parallel.layers import LocallyConnected1d, LocallyConnected2d, PositionwiseParallel
+from parallel.models.layers import LocallyConnected1d, LocallyConnected2d, PositionwiseParallel
 
 SEQ = Shard(1)  # activations are (batch, sequence, features)
 STYLES = {

@@ -20,9 +20,9 @@ Candidates for W workers (the other strategy keys keep their defaults):
             more compute for less memory, worth it only when it makes a plan fit.
 Each is validated (a candidate the model cannot take, say tensor parallelism on
 a model with no Linear pairs, is dropped with the reason) and planned
-(parallel.planner: its peak per rank, and the work of its step). Those whose
+(parallel.planning.planner: its peak per rank, and the work of its step). Those whose
 largest rank peak exceeds `memory.budget` are dropped. The rest are ranked by
-the step time parallel.cost predicts (Note [cost model]): the plan's work
+the step time parallel.planning.cost predicts (Note [cost model]): the plan's work
 (Note [step work]) priced with the rates of plan.calibration (a
 calibration.json of launch/calibrate.py, Note [calibration]), else with this
 process's measured at start. The table shows every term: compute, bubble,
@@ -66,11 +66,11 @@ from pathlib import Path
 import torch
 
 from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, strategy_spec
-from parallel.cost import calibration_for, describe, replay_for, step_times
 from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
-from parallel.planner import plan
+from parallel.planning.cost import calibration_for, describe, replay_for, step_times
+from parallel.planning.planner import plan
 from parallel.strategies.expert import has_experts
 from parallel.validate import validate
 

@@ -1,4 +1,4 @@
-"""The device buffers offloaded blocks are read into (Note [offload engine] in parallel.offload.engine)."""
+"""The device buffers offloaded blocks are read into (Note [offload engine] in parallel.strategies.offload.engine)."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,7 @@ class BufferPool:
     holds is then the same from the first step on, whatever the timing of the
     transfers (made on demand, the count would depend on how long writes keep
     buffers busy), so a run that does not fit fails at once, and the planner's
-    prediction (parallel.planner) is what the run holds.
+    prediction (parallel.planning.planner) is what the run holds.
     """
 
     def __init__(self, nbytes: int, device: torch.device, capacity: int):

@@ -41,7 +41,7 @@ params tier; every parameter object stays the same for the whole run, and its
 
 Saved tensors that are views of a bound buffer are rebuilt from the block's
 buffer at unpack; other saved tensors go to the activations tier or stay
-(parallel.offload.saved). Parameters held by several blocks (tied weights) and
+(parallel.strategies.offload.saved). Parameters held by several blocks (tied weights) and
 those outside every block stay resident. The step is AdamW's or SGD's own
 functional form, per parameter group, so every number matches `strategy=single`.
 
@@ -75,17 +75,17 @@ from parallel.init import InitPlan
 from parallel.loss import Loss, build_loss
 from parallel.memory.host import set_mmap_threshold, trim_host_heap
 from parallel.metrics import log
-from parallel.offload.activations import ActivationStore
-from parallel.offload.adamw import BlockAdamW, OffloadOptimizer, state_keys
-from parallel.offload.hooks import BlockHooks
-from parallel.offload.layout import Layout
-from parallel.offload.lookahead import THREAD, FrozenLookahead, frozen_prefix, splits_forward
-from parallel.offload.pool import BufferPool
-from parallel.offload.saved import SavedTensors
-from parallel.offload.state import OffloadState
-from parallel.offload.stream import WeightStream
-from parallel.offload.tiers import ALIGN, Counters, DiskTier, HostTier, check_disk, effective
 from parallel.runtime import Runtime
+from parallel.strategies.offload.activations import ActivationStore
+from parallel.strategies.offload.adamw import BlockAdamW, OffloadOptimizer, state_keys
+from parallel.strategies.offload.hooks import BlockHooks
+from parallel.strategies.offload.layout import Layout
+from parallel.strategies.offload.lookahead import THREAD, FrozenLookahead, frozen_prefix, splits_forward
+from parallel.strategies.offload.pool import BufferPool
+from parallel.strategies.offload.saved import SavedTensors
+from parallel.strategies.offload.state import OffloadState
+from parallel.strategies.offload.stream import WeightStream
+from parallel.strategies.offload.tiers import ALIGN, Counters, DiskTier, HostTier, check_disk, effective
 from parallel.tensors import as_call, call_model
 
 

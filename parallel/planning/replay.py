@@ -1,6 +1,6 @@
 """The op calls of a planned step (Note [step work]) run on this machine on real tensors and timed: what
-parallel.cost prices a step with when the run computes here (Note [cost model]), and what
-parallel.calibration fits its replay scale with (Note [calibration])."""
+parallel.planning.cost prices a step with when the run computes here (Note [cost model]), and what
+parallel.planning.calibration fits its replay scale with (Note [calibration])."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +11,7 @@ import time
 import torch
 
 from parallel.hardware import last_level_cache
-from parallel.plan_work import byte_class, size_class
+from parallel.planning.work import byte_class, size_class
 
 
 def _elements(shape, stride, offset: int) -> int:
@@ -39,7 +39,7 @@ def _fill(base: torch.Tensor) -> None:
 
 
 def _real(spec, device: torch.device):
-    """A real argument made from its description (parallel.plan_work.spec): tensors of the shape, strides,
+    """A real argument made from its description (parallel.planning.work.spec): tensors of the shape, strides,
     offset and dtype, floating ones in [0.5, 1.5) (no square root of a negative, nothing that shrinks to
     denormals in a few calls), integer and boolean ones zeros (a valid index)."""
     kind = spec[0]

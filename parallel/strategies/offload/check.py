@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from parallel.config import Config, cuda_run, fail
-from parallel.offload.adamw import SUPPORTED, state_keys
-from parallel.offload.tiers import TIERS, check_disk, effective
 from parallel.optim import optimizer_class
+from parallel.strategies.offload.adamw import SUPPORTED, state_keys
+from parallel.strategies.offload.tiers import TIERS, check_disk, effective
 
 
 def check_offload(cfg: Config, world_size: int) -> None:
@@ -39,7 +39,7 @@ def check_offload(cfg: Config, world_size: int) -> None:
 
 
 def check_offload_optimizer(cfg: Config) -> None:
-    """The offload engine steps its own optimizer (parallel.offload.adamw): AdamW or SGD, and of their
+    """The offload engine steps its own optimizer (parallel.strategies.offload.adamw): AdamW or SGD, and of their
     arguments those it implements."""
     o = cfg.optim
     cls = optimizer_class(o)

@@ -6,7 +6,7 @@ strategy=auto's candidates for such a run) plans the CUDA run without a GPU.
 It cannot plan on fake CUDA tensors: on a build of torch without CUDA (the CPU
 wheel, 2.13) autograd asks the CUDA device guard of a fake CUDA tensor for its
 stream and the process aborts. So the step runs on the CPU device, as every
-plan does (Note [planner] in parallel/planner.py), and what differs on CUDA is
+plan does (Note [planner] in parallel/planning/planner.py), and what differs on CUDA is
 put back:
 
   dtypes     trainer.precision=auto is bf16 autocast on CUDA (parallel.config
@@ -47,7 +47,7 @@ put back:
              temporary of the whole group (AdamW: the square roots of every
              second moment, the size of the weights), so the plan runs it.
   offload    its tiers are chosen as under a GPU (cpu: pinned host memory;
-             auto: cpu), moving nothing (parallel.plan_standins.CountingIO).
+             auto: cpu), moving nothing (parallel.planning.standins.CountingIO).
              Their pinned buffers are host memory, not the device's: counted
              apart (`host_pinned`, at most what was pinned at once, each
              buffer rounded up to a power of two as torch's caching host

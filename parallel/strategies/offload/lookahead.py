@@ -8,7 +8,7 @@ the head trains on batch k, a thread of its own streams the frozen blocks over
 batch k+1 (the trainer hands the engine the next input, `look_ahead`). The
 frozen blocks have a buffer pool of their own, sized by the largest frozen
 block, so the two parts never share buffers and the head's pool is sized by
-the head (both pools are made in parallel.offload.engine). Correct because
+the head (both pools are made in parallel.strategies.offload.engine). Correct because
 frozen weights never change: the features of batch k+1 are the same before and
 after step k. The frozen part runs under no_grad, so it saves nothing for
 backward.
@@ -23,9 +23,9 @@ from torch import nn
 
 from parallel.config import Config
 from parallel.engine import autocast
-from parallel.offload.layout import Block
-from parallel.offload.tiers import finish
 from parallel.profiling import phased
+from parallel.strategies.offload.layout import Block
+from parallel.strategies.offload.tiers import finish
 
 THREAD = "offload-ahead"  # the name of the thread the frozen part runs on (the hooks check it)
 

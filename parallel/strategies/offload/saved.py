@@ -4,15 +4,15 @@ Saved tensors that are views of a bound block buffer (a Linear saves its
 weight's transpose) would read another block's bytes once the buffer is
 reused, so they are recorded as (block, view) and the view is rebuilt from the
 block's buffer at unpack, binding the block again if it is not. Other saved
-tensors go to the activations tier (parallel.offload.activations) or stay.
+tensors go to the activations tier (parallel.strategies.offload.activations) or stay.
 """
 from __future__ import annotations
 
 import torch
 
-from parallel.offload.activations import ActivationStore
-from parallel.offload.layout import Block
-from parallel.offload.stream import WeightStream
+from parallel.strategies.offload.activations import ActivationStore
+from parallel.strategies.offload.layout import Block
+from parallel.strategies.offload.stream import WeightStream
 
 
 class SavedTensors:

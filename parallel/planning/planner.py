@@ -51,7 +51,7 @@ a 125M Llama under data zero 3, the root's gradients: 197 MB, at the peak).
 Each rank role is planned on its own thread (`parallel.tensors.in_own_thread`), so DTensor's
 per-thread caches never hand one role the meshes of another.
 
-Values from shapes (parallel.shape_values): fake tensors hold no values, so
+Values from shapes (parallel.planning.shape_values): fake tensors hold no values, so
 code that reads one must guess, and Hugging Face guesses on purpose. A fake
 tensor counts as a trace, so its mask code does not read that the positions
 are one unpacked sequence and builds the causal mask that a real run leaves to
@@ -64,7 +64,7 @@ as the real run does. Data, weights and random numbers stay fake.
 
 A CUDA run (trainer.device=cuda, from any host) is planned on the CPU as
 well, with what CUDA holds besides put back: Note [planning for CUDA] in
-parallel/plan_cuda.py. Not covered: memory a strategy holds outside tensors.
+parallel/planning/cuda.py. Not covered: memory a strategy holds outside tensors.
 """
 from __future__ import annotations
 
@@ -90,12 +90,12 @@ from parallel.init import Blank
 from parallel.loss import end_steps
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
-from parallel.plan_comm import CommBytes, ring_all_reduce_bytes
-from parallel.plan_cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
-from parallel.plan_standins import CountingIO, DDPStandIn, InlineExecutor
-from parallel.plan_work import BUCKET, Work, ddp_calls
+from parallel.planning.comm import CommBytes, ring_all_reduce_bytes
+from parallel.planning.cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
+from parallel.planning.shape_values import ShapeValues
+from parallel.planning.standins import CountingIO, DDPStandIn, InlineExecutor
+from parallel.planning.work import BUCKET, Work, ddp_calls
 from parallel.runtime import Runtime
-from parallel.shape_values import ShapeValues
 from parallel.tensors import in_own_thread, local_bytes, plain_tensors, rank_optimizer
 from parallel.torch_compat import settle_autograd_threads
 from parallel.torch_patches import meshes_outside_fake, sends_held_by_their_works, static_pipeline_warmup
@@ -130,7 +130,7 @@ class RankPlan:
     peak_phase: str
     peak_module: str | None
     by_module: list[dict] = field(default_factory=list)
-    # The work of the step, for strategy=auto's cost model (parallel.auto):
+    # The work of the step, for strategy=auto's cost model (parallel.planning.auto):
     flops: int = 0  # forward + backward + optimizer, by torch's per-op formulas (Flops)
     ops: int = 0  # operators dispatched in the step (each costs a fixed overhead besides its FLOPs)
     comm_bytes: int = 0  # sent by collectives and point-to-point sends, as what leaves the rank (Note [comm bytes])
@@ -138,7 +138,7 @@ class RankPlan:
     io_bytes: int = 0  # moved to and from offload's tiers
     work: dict = field(default_factory=dict)  # the step's work as the cost model prices it (Note [step work])
     calls: dict = field(default_factory=dict, repr=False)  # the step's distinct op calls (Work.calls; not JSON)
-    # Planned for CUDA (Note [planning for CUDA] in parallel/plan_cuda.py), else 0 and empty:
+    # Planned for CUDA (Note [planning for CUDA] in parallel/planning/cuda.py), else 0 and empty:
     workspaces: int = 0  # cuBLAS workspaces live at the peak (in temp)
     rounding: int = 0  # what the caching allocator's 512-byte rounding adds at the peak (in the kinds)
     host_pinned: int = 0  # pinned host memory offload's cpu tier holds at most: the host's, not in total
@@ -308,7 +308,7 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False,
               run_dir: str | None = None) -> RankPlan:
     """One training step of `rank`, under fake tensors and a fake process group (Note [planner]); for a CUDA
-    run, with what CUDA holds besides (Note [planning for CUDA] in parallel/plan_cuda.py)."""
+    run, with what CUDA holds besides (Note [planning for CUDA] in parallel/planning/cuda.py)."""
     # The fake backend registers itself on import; it lives in torch's testing package (heavy: only here).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

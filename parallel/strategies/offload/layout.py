@@ -1,5 +1,5 @@
 """Where every offloaded weight lives: blocks, each one flat byte buffer with a slot per parameter
-(Note [offload engine] in parallel.offload.engine).
+(Note [offload engine] in parallel.strategies.offload.engine).
 
 `Layout` replaces the model's meta parameters by real parameter objects that
 stay the same for the whole run (their `.data` is bound into a block's buffer
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from parallel.offload.pool import BufferPool
-from parallel.offload.tiers import ALIGN, aligned
+from parallel.strategies.offload.pool import BufferPool
+from parallel.strategies.offload.tiers import ALIGN, aligned
 
 
 @dataclass

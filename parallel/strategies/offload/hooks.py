@@ -1,5 +1,5 @@
 """The module and gradient hooks that stream blocks through forward and backward
-(Note [offload engine] in parallel.offload.engine).
+(Note [offload engine] in parallel.strategies.offload.engine).
 
     forward   a block's forward pre-hook binds its weights (waiting for the
               read if needed) and starts reading the next `prefetch` blocks;
@@ -23,11 +23,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from parallel.batchnorm import recompute_contexts
-from parallel.offload.activations import ActivationStore
-from parallel.offload.adamw import BlockAdamW
-from parallel.offload.layout import Block, Layout
-from parallel.offload.lookahead import THREAD
-from parallel.offload.stream import WeightStream
+from parallel.strategies.offload.activations import ActivationStore
+from parallel.strategies.offload.adamw import BlockAdamW
+from parallel.strategies.offload.layout import Block, Layout
+from parallel.strategies.offload.lookahead import THREAD
+from parallel.strategies.offload.stream import WeightStream
 
 # The backward pre-hook of the first block fires although no input of it needs
 # a gradient (its weights do); torch warns about that case, which is the one

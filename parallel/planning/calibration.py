@@ -1,9 +1,9 @@
 """What one machine does per unit of work, measured as a run's workers would see it: calibration.json.
 
 # Note [calibration]
-parallel.cost prices a planned step's work (Note [step work]) with rates
+parallel.planning.cost prices a planned step's work (Note [step work]) with rates
 measured on the machine that will run it. `python launch/calibrate.py
-nproc=W` (parallel.calibration_runs) starts W processes, as a run of W
+nproc=W` (parallel.planning.calibration_runs) starts W processes, as a run of W
 workers does (each with the threads a worker gets,
 parallel.hardware.worker_threads, all on the cores at once, so the cores
 they share are in every figure), and each measures:
@@ -27,7 +27,7 @@ they share are in every figure), and each measures:
                fitted to them, least squares of the relative error,
                non-negative; and on a CPU the replay scale: each step's op
                calls timed one by one by one process alone, as
-               launch/plan.py times a plan's (parallel.replay, each call
+               launch/plan.py times a plan's (parallel.planning.replay, each call
                over operand sets that span the step's bytes times the
                processes, as the plan's are; each held to the speed of a
                probe product that process timed alone, probe_s, the
@@ -93,7 +93,7 @@ they share are in every figure), and each measures:
 
 Rates are the mean over the W processes. The file records what it was made
 with (torch's version, the device, W, threads per process, cores), and a plan
-that differs is told which (parallel.cost.load). Without a file, strategy=auto
+that differs is told which (parallel.planning.cost.load). Without a file, strategy=auto
 and launch/plan.py measure the process they run in (`quick`): products and
 memory-bound ops on the threads a worker will have, op_s and step_s from a
 tiny step (its ops do almost no work), DTensor's dispatch, scaled by how
@@ -104,7 +104,7 @@ it came out 1.71-1.84 here, where the eight of launch/calibrate.py gave
 1.18-1.37: small steps are more than their calls by their Python and
 autograd's bookkeeping, which the scale would then charge every call of a
 large step. On the
-machine that runs it, parallel.cost times the plan's own op calls instead of
+machine that runs it, parallel.planning.cost times the plan's own op calls instead of
 pricing them by class (Note [cost model]).
 """
 from __future__ import annotations
@@ -122,8 +122,8 @@ import torch
 
 from parallel.flops import Flops  # the per-op count the planner makes
 from parallel.hardware import worker_threads
-from parallel.plan_work import BUCKET, MEMORY_SIZES, SIZES, Work
-from parallel.replay import probe_time
+from parallel.planning.replay import probe_time
+from parallel.planning.work import BUCKET, MEMORY_SIZES, SIZES, Work
 
 COMM_KINDS = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")
 COMM_SIZES = (4096, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -168,12 +168,12 @@ class Calibration:
     products_scale: float = 1.0
     memory_scale: float = 1.0
     fit_error: float = 0.0  # the fit's largest relative error over the reference steps
-    # The multiplier of a step's op calls timed one by one (parallel.replay, what prices a step on the machine
+    # The multiplier of a step's op calls timed one by one (parallel.planning.replay, what prices a step on the machine
     # that measured them), fitted to the same reference steps (Note [calibration]): a step's operands are not in
     # the caches the way a call repeated alone finds them.
     replay_scale: float = 1.0
     replay_op_s: float = 0.0  # and a time per op call beyond it: autograd's and the optimizer's Python
-    # The probe product's time in the process that replayed the reference steps, alone (parallel.replay.probe_time):
+    # The probe product's time in the process that replayed the reference steps, alone (parallel.planning.replay.probe_time):
     # the speed a plan's replayed calls are held to. 0 (a file made before it was kept): the rate of products of
     # its size class, measured with the processes all at once.
     probe_s: float = 0.0

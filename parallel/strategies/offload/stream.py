@@ -1,5 +1,5 @@
 """Block weights between their home on the params tier and the device buffer they are bound to
-(Note [offload engine] in parallel.offload.engine).
+(Note [offload engine] in parallel.strategies.offload.engine).
 
 Binding points every parameter of a block at its slot of the block's buffer;
 unbinding points them at empty placeholders, so the parameter objects stay the
@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from parallel.offload.layout import Block
-from parallel.offload.tiers import Counters, finish
 from parallel.profiling import phase
+from parallel.strategies.offload.layout import Block
+from parallel.strategies.offload.tiers import Counters, finish
 
 
 class WeightStream:

@@ -1,16 +1,16 @@
 """The offload engine's state in and out of the tiers, under the original parameter names: the initial
 values, the full state dict, and a checkpoint's weights and optimizer state (Note [offload engine] in
-parallel.offload.engine)."""
+parallel.strategies.offload.engine)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from parallel.init import InitPlan, Values
-from parallel.offload.adamw import BlockAdamW
-from parallel.offload.layout import Layout
-from parallel.offload.stream import WeightStream
-from parallel.offload.tiers import finish
+from parallel.strategies.offload.adamw import BlockAdamW
+from parallel.strategies.offload.layout import Layout
+from parallel.strategies.offload.stream import WeightStream
+from parallel.strategies.offload.tiers import finish
 
 
 class OffloadState:

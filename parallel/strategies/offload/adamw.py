@@ -1,5 +1,5 @@
 """The offload engine's optimizer step: AdamW or SGD block by block, on weights, gradients and state streamed
-from the tiers (Note [offload engine] in parallel.offload.engine).
+from the tiers (Note [offload engine] in parallel.strategies.offload.engine).
 
 A block's gradients are handed off as soon as they are complete (`grads_done`):
 without clipping its step runs at once on a host thread, overlapping the rest
@@ -23,12 +23,12 @@ from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
 from parallel.config import Config, OptimConfig
-from parallel.offload.layout import Block, Layout, Slot
-from parallel.offload.pool import BufferPool
-from parallel.offload.stream import WeightStream
-from parallel.offload.tiers import finish, settle
 from parallel.optim import optimizer_class, optimizer_kwargs, param_groups
 from parallel.profiling import phased
+from parallel.strategies.offload.layout import Block, Layout, Slot
+from parallel.strategies.offload.pool import BufferPool
+from parallel.strategies.offload.stream import WeightStream
+from parallel.strategies.offload.tiers import finish, settle
 
 # The classes the offload step implements, and the optim.args each takes (besides lr and weight decay).
 SUPPORTED = {torch.optim.AdamW: (), torch.optim.SGD: ("momentum", "dampening", "nesterov")}

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from parallel.offload.tiers import Counters, aligned, finish, raw_bytes
 from parallel.profiling import phase
+from parallel.strategies.offload.tiers import Counters, aligned, finish, raw_bytes
 
 SMALL = 4096  # bytes; smaller saved tensors stay where they are (moving them costs more than it saves)
 

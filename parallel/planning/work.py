@@ -2,8 +2,8 @@
 every op dispatched, and each collective call by kind and group size.
 
 # Note [step work]
-The planner (parallel.planner) runs a rank's step under fake tensors; this
-dispatch mode sees every op of it and sorts them as parallel.cost prices them
+The planner (parallel.planning.planner) runs a rank's step under fake tensors; this
+dispatch mode sees every op of it and sorts them as parallel.planning.cost prices them
 (Note [cost model]):
 
     products   ops with a FLOP formula in torch (matrix products, batched
@@ -36,7 +36,7 @@ global shapes, and the local op that DTensor then runs is out of its sight.
                reducer does to each gradient (scaled into its bucket, copied
                back) is counted as ops of the step, the planner running them
                on meta tensors of the gradients' shapes
-               (parallel.plan_standins.DDPStandIn.copy_gradients).
+               (parallel.planning.standins.DDPStandIn.copy_gradients).
     forward_backward  products, memory and ops again, of the ops dispatched
                in the step's forward and backward (a pipeline's schedule)
                alone, without clipping and the optimizer's step: the part of
@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parallel.flops import formula, local_call
-from parallel.plan_comm import _INPUTS, _NOT_SENT, _group, _kind
+from parallel.planning.comm import _INPUTS, _NOT_SENT, _group, _kind
 
 SIZES = tuple(2 ** i for i in range(4, 13))  # the product size classes: 16 .. 4096
 MEMORY_SIZES = tuple(4096 * 16 ** i for i in range(5))  # the byte classes of other ops: 4 KiB .. 256 MiB
@@ -86,7 +86,7 @@ def byte_class(nbytes: int) -> int:
 
 
 def spec(value):
-    """A hashable description of an op's argument from which parallel.cost makes a real one: a tensor's
+    """A hashable description of an op's argument from which parallel.planning.cost makes a real one: a tensor's
     shape, strides, offset and dtype; sequences and dicts item by item; a generator as None."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype)
@@ -132,7 +132,7 @@ class Work(TorchDispatchMode):
         # the same tallies of the forward and backward alone (Note [step work]): products, memory, ops
         self.forward_backward: tuple[dict, dict, list[int]] = ({}, {}, [0])
         self.comm: dict[tuple[str, int], list[int]] = {}  # (kind, group size) -> [calls, bytes handed]
-        # (op, its arguments' specs) -> [calls, FLOPs of one call, bytes of one]: what parallel.cost replays
+        # (op, its arguments' specs) -> [calls, FLOPs of one call, bytes of one]: what parallel.planning.cost replays
         self.calls: dict[tuple, list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,7 +1,7 @@
 """What the planner hands a run through its Runtime (Note [runtime]) in place of the real things, which cannot
 run on fake tensors: the offload engine's threads run inline, its tiers count the bytes they would move (and,
 planning for CUDA, the pinned host memory they would hold), and DDP is a stand-in that adds its gradient buckets
-(Note [planner] in parallel/planner.py)."""
+(Note [planner] in parallel/planning/planner.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from parallel.offload.activations import ActivationStore
-from parallel.offload.engine import OffloadIO
-from parallel.offload.tiers import DiskTier
-from parallel.plan_cuda import pinned
+from parallel.planning.cuda import pinned
+from parallel.strategies.offload.activations import ActivationStore
+from parallel.strategies.offload.engine import OffloadIO
+from parallel.strategies.offload.tiers import DiskTier
 from parallel.tensors import local, local_bytes
 
 
@@ -23,7 +23,7 @@ class InlineExecutor:
     """Runs what the offload engine hands its threads at once, on the calling thread: fake tensors
     cannot be used by two threads at a time. Outside the trackers, as on a thread of its own, where the
     trainer's measurement (thread-local) does not see it either; `watched`: inside them, as CUDA's
-    allocator counts what every thread allocates (Note [planning for CUDA] in parallel/plan_cuda.py)."""
+    allocator counts what every thread allocates (Note [planning for CUDA] in parallel/planning/cuda.py)."""
 
     def __init__(self, *args, watched: bool = False, **kwargs):
         self.watched = watched
@@ -46,7 +46,7 @@ class CountingIO(OffloadIO):
     stays on the device (its buffer pool, what the step allocates) is what the plan counts; an activation
     read back is a new tensor of its shape, as the real read allocates one. Bytes that would move are
     counted (for strategy=auto's cost model), and so is the pinned host memory the cpu tier would hold under
-    a GPU (`pinned`: now and at most; Note [planning for CUDA] in parallel/plan_cuda.py)."""
+    a GPU (`pinned`: now and at most; Note [planning for CUDA] in parallel/planning/cuda.py)."""
 
     def __init__(self):
         self.moved = [0]
@@ -61,7 +61,7 @@ class CountingIO(OffloadIO):
                 count(dst)
 
         class Host:
-            """The cpu tier under a GPU (parallel.offload.tiers.HostTier): a pinned buffer per key."""
+            """The cpu tier under a GPU (parallel.strategies.offload.tiers.HostTier): a pinned buffer per key."""
 
             name = "cpu"
 
@@ -145,7 +145,7 @@ class DDPStandIn:
         return sum(self._bytes(m) for m, _, _ in self.models)
 
     def copy_gradients(self, counter) -> None:
-        """Run, under the dispatch mode `counter` (the planner's parallel.plan_work.Work), what DDP's reducer does
+        """Run, under the dispatch mode `counter` (the planner's parallel.planning.work.Work), what DDP's reducer does
         to each gradient in a step, its buckets being copies and not views of the gradients: the gradient
         scaled by 1 / the group's size into its bucket (a product into an output), and the bucket's reduced
         values copied back (on meta tensors of the gradients' local shapes: the work is what is counted)."""

@@ -8,14 +8,14 @@ For each rank role the planner gives the work of one step; its time is
                or one made here): each distinct op call of the step (the op,
                its arguments' shapes, strides and dtypes; a DTensor op as
                the rank runs it, on its local shards) run here on real
-               tensors and timed (parallel.replay), x how often the step
+               tensors and timed (parallel.planning.replay), x how often the step
                makes it; on a CPU under the allocator settings a worker
                steps with (Note [host allocations]), its new outputs on
                memory in use as a worker's are (`_replay`). On a CPU each
                call is timed over operand sets that span the bytes a step
                passes over once (weights, gradients, optimizer state) times
                the machine's workers, rounded up to a power of two
-               (parallel.replay.Replay.copies), up to twice the last-level
+               (parallel.planning.replay.Replay.copies), up to twice the last-level
                cache: a step that passes the cache finds its operands
                evicted, as a call repeated on one set does not.
                Activations are left out of the span: each is read soon after
@@ -68,7 +68,7 @@ Timing the calls replaces a model of kernels (how fast a product of this
 shape runs, what GELU costs) with the kernels themselves; what they cost
 inside a step beyond that is the operands' place (in the cache or not: the
 operand sets), and the allocator's and autograd's bookkeeping (the replay
-scale and time per op). The reference steps of parallel.calibration_runs took
+scale and time per op). The reference steps of parallel.planning.calibration_runs took
 1.2-2.4x the sum of their calls timed on one set of operands here (the most
 where large weights meet small batches), 0.94-1.49x over sets that span
 them; the 125M Llama of benchmarks/hf.py at batch 2, two processes stepping
@@ -98,11 +98,11 @@ from pathlib import Path
 
 import torch
 
-from parallel.calibration import OVERLAPPED, Calibration, call_seconds, cores, quick
 from parallel.config import Config, ConfigError, cuda_run, pipelined, strategy_spec
 from parallel.hardware import worker_threads
 from parallel.memory.host import steady_host_allocations
-from parallel.replay import PROBE, Replay, probe_seconds
+from parallel.planning.calibration import OVERLAPPED, Calibration, call_seconds, cores, quick
+from parallel.planning.replay import PROBE, Replay, probe_seconds
 from parallel.strategies.pipeline.schedules import analytic_bubble
 
 log = logging.getLogger("parallel")
@@ -144,14 +144,14 @@ def load(path: str, world: int, cuda: bool) -> Calibration:
 
 @functools.lru_cache(maxsize=None)
 def _measured(world: int, device_type: str) -> Calibration:
-    """This process measured once (parallel.calibration.quick): auto's candidates and the plan it picks are
+    """This process measured once (parallel.planning.calibration.quick): auto's candidates and the plan it picks are
     priced with the same rates. Under the workers' host allocator (`_replay`)."""
     steady_host_allocations(keep_large=device_type == "cpu")
     return quick(world, torch.device(device_type))
 
 
 def calibration_for(cfg: Config, world: int) -> Calibration:
-    """plan.calibration, else this process measured (parallel.calibration.quick, once a process): on its GPU
+    """plan.calibration, else this process measured (parallel.planning.calibration.quick, once a process): on its GPU
     for a CUDA run, and on the CPU for a CUDA run planned on a host without one (with a warning: such times
     rank the candidates, they are not a GPU's)."""
     if cfg.plan.calibration:

@@ -1,5 +1,5 @@
 """launch/calibrate.py's measurements: W processes at once, as a run's workers (Note [calibration] in
-parallel/calibration.py): each measures compute and every collective, and their figures make calibration.json."""
+parallel/planning/calibration.py): each measures compute and every collective, and their figures make calibration.json."""
 from __future__ import annotations
 
 import datetime
@@ -13,7 +13,9 @@ import time
 import torch
 from torch import nn
 
-from parallel.calibration import (
+from parallel.hardware import worker_threads
+from parallel.memory.host import steady_host_allocations
+from parallel.planning.calibration import (
     COMM_KINDS,
     COMM_SIZES,
     Calibration,
@@ -26,10 +28,8 @@ from parallel.calibration import (
     measure_products,
     nnls,
 )
-from parallel.hardware import worker_threads
-from parallel.memory.host import steady_host_allocations
-from parallel.plan_work import Work
-from parallel.replay import Replay, probe_time
+from parallel.planning.replay import Replay, probe_time
+from parallel.planning.work import Work
 
 
 def _burst(device: torch.device, seconds: float = 3e-4):
@@ -187,13 +187,13 @@ def measure_steps(device: torch.device, references=REFERENCES, seconds: float = 
                   replay: bool = True, workers: int = 1,
                   probe_s: float | None = None) -> tuple[list[tuple[dict, float, dict | None]], float | None]:
     """(the work of one step, Note [step work]; its measured seconds; its op calls timed one by one,
-    parallel.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step, and
+    parallel.planning.replay: {"products", "memory"} seconds, None where `replay` is false) for each reference step, and
     the probe product's time the calls were held to (`probe_s`, else measured now; None where not replayed or
     off the CPU). `together`: called before each step is timed and around the replays (launch/calibrate.py's
     processes: a barrier, so that each times its steps while the others time theirs, as a run's workers step
     together; then one process times the probe and replays the steps alone, as launch/plan.py replays a plan's
     calls, while the others wait); `workers`: the processes whose steps share this machine's caches (each call
-    replayed over operands spanning their bytes, as parallel.cost replays a plan's).
+    replayed over operands spanning their bytes, as parallel.planning.cost replays a plan's).
 
     The probe is this process's own, alone: the rate of products measured with every process at once (what held
     the calls before) came out 80.0 GFLOP/s at 128 in one of ten calibrations here and 94-96 in the others; the

@@ -2,7 +2,7 @@
 
 # Note [comm bytes]
 strategy=auto ranks candidates partly by the bytes their step communicates
-(Note [auto] in parallel/auto.py), so every kind of exchange must be counted
+(Note [auto] in parallel/planning/auto.py), so every kind of exchange must be counted
 alike: as the bytes that leave the rank under the usual ring algorithms, W
 the size of the op's own process group (the fake groups of a plan have
 sizes), S the op's input (the data it is handed, before any gather):
