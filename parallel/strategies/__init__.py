@@ -6,6 +6,10 @@ parallel/runtime.py) and, where it has them, its own checks; the registry below
 is explicit and keyed by the names of the strategy table, whose rows say what
 each strategy spreads and takes (Note [strategy table] in
 parallel/strategy_specs.py). An unknown name fails listing the table's names.
+
+A builder is where the config is read: the pieces it applies take what they use (the mesh, a ZeRO level,
+dtypes, an example input: `data_parallel`, `state_sharding`, `tensor_plan`, `recompute_model`, ...), as
+torchtitan's parallelize_llama hands `apply_fsdp` its dtypes, so each piece reads and tests on its own.
 """
 from __future__ import annotations
 
@@ -17,13 +21,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.batchnorm import batchnorm_warning
 from parallel.config import BALANCES, SPECS, ZERO_LEVELS, Config, fail, strategy_spec
+from parallel.data import example_input
 from parallel.dims import data_mesh
 from parallel.engine import Engine, LocalEngine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
 from parallel.metrics import log
 from parallel.runtime import Runtime
-from parallel.strategies.compile import compile_model
+from parallel.strategies.compile import compile_model, compiling
 from parallel.strategies.context import apply_context
 from parallel.strategies.data import apply_data, state_sharding
 from parallel.strategies.hybrid import build_hybrid
@@ -42,13 +47,14 @@ def _local(apply):
     def build(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
         sequence = apply_context(model, mesh)  # cp > 1 (strategy=context): attention over the cp ranks
         if recomputing(cfg):  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
-            recompute_model(model, cfg)
+            recompute_model(model, example_input(cfg.data))
         model = apply(model, mesh, cfg, runtime)
-        compile_model(model, cfg, runtime)  # after DDP or FSDP2 (Note [regional compilation])
+        if compiling(cfg, runtime):  # after DDP or FSDP2 (Note [regional compilation])
+            compile_model(model)
         materialize_and_init(model, runtime.device, plan, runtime.values)
         loss = build_loss(cfg.loss, cfg.data.task)
         return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence,
-                           state_sharding(mesh, cfg))
+                           state_sharding(mesh, cfg.strategy.zero))
 
     return build
 

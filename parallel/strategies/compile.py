@@ -78,10 +78,10 @@ def compile_blocks(root: nn.Module, names: list[str]) -> None:
         log.info("trainer.compile: eager, as torch's own layers: %s", ", ".join(left))
 
 
-def compile_model(model: nn.Module, cfg: Config, runtime: Runtime) -> None:
-    """Compile the repeated blocks of a whole model (strategies that keep the whole model on each rank)."""
-    if compiling(cfg, runtime):
-        compile_blocks(model, repeated_blocks(model))
+def compile_model(model: nn.Module) -> None:
+    """Compile the repeated blocks of a whole model (strategies that keep the whole model on each rank; the
+    builder asks `compiling` first)."""
+    compile_blocks(model, repeated_blocks(model))
 
 
 def check_compile(cfg: Config, model: nn.Module) -> None:

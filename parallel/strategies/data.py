@@ -59,40 +59,51 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
-    """FSDP2's policy for the run (Note [mixed precision]): bf16 parameters under bf16, gradients reduced in
-    trainer.reduce_precision; torch's default (everything in the parameters' fp32) otherwise."""
+def precision(cfg: Config) -> tuple[torch.dtype | None, torch.dtype]:
+    """The run's (param_dtype, reduce_dtype) (Note [mixed precision]): bf16 parameters under bf16 (None: the
+    parameters' own fp32), gradients reduced in trainer.reduce_precision. What a strategy's builder reads from
+    the config and hands to `data_parallel`, `mixed_precision` and the experts' units."""
     reduce = torch.bfloat16 if cfg.trainer.reduce_precision == "bf16" else torch.float32
-    if not bf16_run(cfg):
-        return MixedPrecisionPolicy(reduce_dtype=reduce if reduce is torch.bfloat16 else None)
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    return (torch.bfloat16 if bf16_run(cfg) else None), reduce
 
 
-def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: Config, ddp: bool,
-                  replicate_fn=None) -> None:
+def mixed_precision(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """FSDP2's policy (Note [mixed precision]): parameters gathered and computed in `param_dtype` (None: their
+    own), gradients reduced in `reduce_dtype`; torch's default (everything in the parameters' fp32) for
+    (None, fp32)."""
+    if param_dtype is None:
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype if reduce_dtype is torch.bfloat16 else None)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, zero: int,
+                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, ddp: bool, replicate_fn=None) -> None:
     """Replicate or shard `module` over the dense weights' data-parallel ranks (dp x ep x cp, Note [mesh
-    dimensions] in parallel/dims.py), in place, by strategy.zero.
+    dimensions] in parallel/dims.py), in place, by ZeRO level.
 
     Args:
         blocks: its repeated blocks: FSDP2 units of their own, so that one block's weights are gathered
             (and, replicated, reduced) at a time; then `module` itself.
+        zero: strategy.zero (0-3, the module's docstring).
+        param_dtype, reduce_dtype: the run's precision (`precision`, Note [mixed precision]): FSDP2 gathers
+            and computes in `param_dtype` (None: the parameters' own) and reduces gradients in `reduce_dtype`;
+            DDP reduces in `reduce_dtype` (bf16: a communication hook).
         ddp: replicate with DDP (plain tensors, the whole model on the rank) rather than FSDP2's replicate.
         replicate_fn: the planner's stand-in for DDP's replicate (DDP's reducer cannot run on fake tensors,
             Note [runtime]); None: DDP's own.
     """
-    dp_mesh, zero = data_mesh(mesh), cfg.strategy.zero
+    dp_mesh = data_mesh(mesh)
     if zero <= 1 and ddp:
         # The composable form of DDP keeps parameter names unchanged (no `module.` prefix) and builds its
         # reducer lazily at the first forward, after the model has been materialized and initialized.
-        bf16 = cfg.trainer.reduce_precision == "bf16"
         if replicate_fn is not None:  # the planner's stand-in: told what the hook would send
-            replicate_fn(module, device_mesh=dp_mesh, reduce_dtype=torch.bfloat16 if bf16 else torch.float32)
+            replicate_fn(module, device_mesh=dp_mesh, reduce_dtype=reduce_dtype)
             return
         ddp_replicate(module, device_mesh=dp_mesh)
-        if bf16:
+        if reduce_dtype is torch.bfloat16:
             module.register_comm_hook(dp_mesh.get_group(), bf16_reduce)
         return
-    policy = mixed_precision(cfg)
+    policy = mixed_precision(param_dtype, reduce_dtype)
 
     def wrap(m: nn.Module, root: bool = False) -> None:
         if zero <= 1:
@@ -122,13 +133,13 @@ def bf16_reduce(group, bucket):  # no annotations: DDP compares them with its ow
     return future.then(back)
 
 
-def state_sharding(mesh: DeviceMesh, cfg: Config, own_groups: dict[int, object] | None = None) \
+def state_sharding(mesh: DeviceMesh, zero: int, own_groups: dict[int, object] | None = None) \
         -> StateSharding | None:
     """ZeRO 1's layout of the optimizer state: sharded over the dense weights' data-parallel ranks (and a
     parameter in `own_groups`, id -> group, over its own: experts over mesh["dp"]); None below zero 1's
-    sharding (zero 0, one data-parallel rank) and above it (FSDP2 shards the state with the weights)."""
+    sharding (`zero` 0, one data-parallel rank) and above it (FSDP2 shards the state with the weights)."""
     group = data_mesh(mesh)
-    if cfg.strategy.zero != 1 or (group.size() == 1 and not own_groups):
+    if zero != 1 or (group.size() == 1 and not own_groups):
         return None
     return StateSharding(group.get_group(), dict(own_groups or {}))
 
@@ -137,5 +148,6 @@ def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime
     """strategy=data and context: replicate or shard `model` over the data-parallel ranks, in place."""
     if cfg.strategy.sync_batchnorm:  # Note [batch norm]: before DDP or FSDP2 wrap the layers
         sync_batchnorm(model, data_mesh(mesh).get_group())
-    data_parallel(model, blocks_of(model), mesh, cfg, ddp=True, replicate_fn=runtime.replicate)
+    data_parallel(model, blocks_of(model), mesh, cfg.strategy.zero, *precision(cfg), ddp=True,
+                  replicate_fn=runtime.replicate)
     return model

@@ -45,20 +45,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
+from parallel.data import example_input
 from parallel.dims import batch_mesh, data_mesh
 from parallel.engine import Engine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
 from parallel.runtime import Runtime
-from parallel.strategies.compile import compile_model
+from parallel.strategies.compile import compile_model, compiling
 from parallel.strategies.context import apply_context, point_stage_attention, sequence_shard
 from parallel.strategies.context.traced import traceable_attention
-from parallel.strategies.data import blocks_of, data_parallel, mixed_precision, state_sharding
+from parallel.strategies.data import blocks_of, data_parallel, mixed_precision, precision, state_sharding
 from parallel.strategies.expert import expert_engine, expert_params, shard_experts
 from parallel.strategies.expert_hf import shard_hf_experts
 from parallel.strategies.pipeline import build_pipeline
 from parallel.strategies.recompute import recompute_model, recomputing
 from parallel.strategies.tensor import shard, tensor_plan
+from parallel.tensors import as_call
 
 # A tensor-parallel layer hands its output on as a view of a DTensor's local
 # piece, which FSDP2 warns about in case the caller changes it in place; the
@@ -69,7 +71,11 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
     """Apply steps 1-4 to `model` (on the meta device) and return this rank's engine."""
     s = cfg.strategy
-    tp_plan = tensor_plan(model, cfg) if s.tp > 1 else {}
+    tp_plan = {}
+    if s.tp > 1:  # the plan checked against the model, inferred from one batch's input on meta if need be
+        tp_plan = tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, as_call(example_input(cfg.data))[0])
+    param_dtype, reduce_dtype = precision(cfg)  # Note [mixed precision]
+    policy = mixed_precision(param_dtype, reduce_dtype)  # the experts' own units'
 
     def pieces(module: nn.Module, blocks: list[nn.Module]) -> None:  # steps 2 and 3, on one module
         if s.pp > 1 and sequence is not None:  # a stage's blocks: their attention over the cp ranks
@@ -79,9 +85,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         if s.ep > 1:  # before the blocks' data-parallel units, which leave the experts' own units out
             # Experts may be a model's only ModuleList: neither this rank's (their own units) nor the others'
             # (no longer in the model) are blocks.
-            held = {id(e) for shard in shard_experts(module, mesh, s.zero, mixed_precision(cfg))
-                    for e in shard.values()}
-            held |= {id(e) for e in shard_hf_experts(module, mesh, s.zero, mixed_precision(cfg))}
+            held = {id(e) for shard in shard_experts(module, mesh, s.zero, policy) for e in shard.values()}
+            held |= {id(e) for e in shard_hf_experts(module, mesh, s.zero, policy)}
             present = {id(m) for m in module.modules()}
             blocks = [b for b in blocks if id(b) in present and id(b) not in held]
         if data_mesh(mesh).size() > 1:
@@ -89,7 +94,7 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
                 sync_batchnorm(module, batch_mesh(mesh).get_group())
             # FSDP2's replicate, not DDP, for zero 0 and 1: DDP does not take the DTensor parameters tensor
             # parallelism leaves, nor the per-microbatch gradient-sync switch PipelineStage drives.
-            data_parallel(module, blocks, mesh, cfg, ddp=False)
+            data_parallel(module, blocks, mesh, s.zero, param_dtype, reduce_dtype, ddp=False)
 
     if s.pp > 1:
         sequence = sequence_shard(mesh)  # Note [context parallelism under the pipeline]
@@ -98,21 +103,23 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         tp_shapes = (lambda module: shard(module, mesh, tp_plan)) if s.tp > 1 else None  # noqa: E731
         engine = build_pipeline(model, mesh, cfg, runtime, plan, transform=pieces, shape_transform=tp_shapes,
                                 sequence=sequence)
-        engine.state_sharding = zero1(list(engine.model), mesh, cfg)
+        engine.state_sharding = zero1(list(engine.model), mesh, s.zero)
         return engine
     sequence = apply_context(model, mesh)  # cp > 1: attention over the cp ranks
     if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
-        recompute_model(model, cfg)
+        recompute_model(model, example_input(cfg.data))
     pieces(model, blocks_of(model))
-    compile_model(model, cfg, runtime)  # after the tensor plan and FSDP2 (Note [regional compilation])
+    if compiling(cfg, runtime):  # after the tensor plan and FSDP2 (Note [regional compilation])
+        compile_model(model)
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
     return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence,
-                         zero1([model], mesh, cfg))
+                         zero1([model], mesh, s.zero))
 
 
-def zero1(modules: list[nn.Module], mesh: DeviceMesh, cfg: Config):
-    """ZeRO 1's layout of the optimizer state of `modules` (materialized): the dense weights' over their
-    data-parallel ranks, the experts' over mesh["dp"], the ranks that hold the same experts."""
+def zero1(modules: list[nn.Module], mesh: DeviceMesh, zero: int):
+    """ZeRO 1's layout of the optimizer state of `modules` (materialized) at ZeRO level `zero` (None but at 1):
+    the dense weights' over their data-parallel ranks, the experts' over mesh["dp"], the ranks that hold the same
+    experts."""
     dp_group = mesh["dp"].get_group()
-    return state_sharding(mesh, cfg, {i: dp_group for i in expert_params(modules)})
+    return state_sharding(mesh, zero, {i: dp_group for i in expert_params(modules)})

@@ -22,7 +22,6 @@ from torch.distributed._composable import checkpoint
 from parallel.batchnorm import recompute_contexts
 from parallel.blocks import candidates
 from parallel.config import Config
-from parallel.data import example_input
 from parallel.tensors import as_call
 
 
@@ -46,7 +45,12 @@ def recompute_blocks(root: nn.Module, names: list[str]) -> None:
         checkpoint(block, context_fn=recompute_contexts(block))
 
 
-def recompute_model(model: nn.Module, cfg: Config) -> None:
-    """Checkpoint the blocks of a whole model (strategies that keep the whole model on each rank)."""
-    names, _ = candidates(model, *as_call(example_input(cfg.data)))
+def recompute_model(model: nn.Module, example) -> None:
+    """Checkpoint the blocks of a whole model (strategies that keep the whole model on each rank).
+
+    Args:
+        example: one batch's input as the data hands it out (parallel.data.example_input, on meta), to find
+            the blocks the forward calls.
+    """
+    names, _ = candidates(model, *as_call(example))
     recompute_blocks(model, names)

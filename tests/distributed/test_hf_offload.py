@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed._composable import checkpoint
 
-from parallel.config import Config, DataConfig
+from parallel.config import DataConfig
 from parallel.strategies.recompute import recompute_model
 from tests import cli, hf_models
 
@@ -61,7 +61,6 @@ def test_hf_model_trains_as_the_users_loop(tmp_path, case):
 def test_recomputation_and_offload_take_the_decoder_layers_one_by_one():
     with torch.device("meta"):
         model = hf_models.llama(layers=2)
-    cfg = Config()
-    cfg.data.task, cfg.data.vocab_size, cfg.data.seq_len = "lm", 64, 16
-    recompute_model(model, cfg)  # the blocks offload streams are the same candidates (parallel.blocks)
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")  # one batch of data.task=lm, seq_len 16
+    recompute_model(model, tokens)  # the blocks offload streams are the same candidates (parallel.blocks)
     assert all(checkpoint.state(layer) is not None for layer in model.model.layers)

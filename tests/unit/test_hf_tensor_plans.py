@@ -25,7 +25,9 @@ def _cfg(model: str, args: dict | None = None, plan=(), tp: int | None = 2, **da
 
 def _plan(cfg: Config) -> dict[str, str]:
     validate(cfg, cfg.strategy.tp)
-    return resolve_plan(build_meta_model(cfg.model), cfg, (example_input(cfg.data),))
+    s = cfg.strategy
+    return resolve_plan(build_meta_model(cfg.model), s.tp, s.tp_plan, s.sequence_parallel,
+                        (example_input(cfg.data),))
 
 
 def test_llama_takes_its_own_plan_in_the_frameworks_style_names():
@@ -103,7 +105,7 @@ def test_hf_styles_without_an_equivalent_and_sequence_parallel_are_config_errors
         model = hf_models.llama()
     model._tp_plan = {"model.layers.*.mlp.gate_proj": "packed_colwise"}  # as a model with packed weights has
     with pytest.raises(ConfigError, match="packed_colwise") as info:
-        resolve_plan(model, cfg)
+        resolve_plan(model, tp=2)
     assert str(info.value).startswith("strategy.tp_plan") and "give strategy.tp_plan" in str(info.value)
     cfg.strategy.sequence_parallel = True
     with pytest.raises(ConfigError, match="strategy.sequence_parallel=true: LlamaForCausalLM's own plan"):

@@ -36,7 +36,7 @@ def test_user_plan_patterns_expand_over_module_names():
     validate(cfg, 2)
     from parallel.models.build import build_meta_model
 
-    plan = resolve_plan(build_meta_model(cfg.model), cfg)
+    plan = resolve_plan(build_meta_model(cfg.model), 2, cfg.strategy.tp_plan)
     assert plan == {"pairs.0.up": "colwise", "pairs.1.up": "colwise", "pairs.0.down": "rowwise",
                     "pairs.1.down": "rowwise"}
 

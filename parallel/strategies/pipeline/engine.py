@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from parallel.config import Config
+from parallel.config import Config, bf16_run
 from parallel.dims import batch_mesh, data_mesh
 from parallel.engine import Engine, evaluating, grad_average
 from parallel.init import InitPlan
@@ -28,9 +28,10 @@ from parallel.runtime import Runtime
 from parallel.strategies.compile import compiling
 from parallel.strategies.expert import clip_with_experts
 from parallel.strategies.pipeline import schedules
-from parallel.strategies.pipeline.split import Split, format_split, microbatches, plan_split
+from parallel.strategies.pipeline.split import Split, example_microbatch, format_split, microbatches, plan_split
 from parallel.strategies.pipeline.stages import ComputeTime, TiedCopy, TimedStage, build_stages, own_blocks
 from parallel.strategies.pipeline.timeline import Timeline
+from parallel.strategies.recompute import recomputing
 from parallel.tensors import local
 from parallel.torch_patches import forward_only_actions
 
@@ -53,13 +54,16 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
             the cp ranks): the engine hands the first stage this rank's chunks of every sequence and their
             positions, and the last stage the matching targets.
     """
-    split = plan_split(model, cfg, batch_mesh(mesh).size(), runtime)
-    log.info("pipeline partition (%s, %d microbatches):\n%s", cfg.strategy.schedule, cfg.strategy.microbatches,
-             format_split(split))
+    s, dp = cfg.strategy, batch_mesh(mesh).size()
+    split = plan_split(model, cfg, dp, runtime)
+    log.info("pipeline partition (%s, %d microbatches):\n%s", s.schedule, s.microbatches, format_split(split))
     compute_time = ComputeTime()
-    swap = (transform or compiling(cfg, runtime)) and own_blocks(model, split.blocks)  # Note [own or traced blocks]
-    stages, modules, tied = build_stages(split, mesh, cfg, runtime, plan, compute_time, model if swap else None,
-                                         transform, shape_transform)
+    compiles = compiling(cfg, runtime)
+    swap = (transform or compiles) and own_blocks(model, split.blocks)  # Note [own or traced blocks]
+    stages, modules, tied = build_stages(
+        split, mesh, runtime, plan, compute_time, schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank),
+        example_microbatch(cfg, dp), bf16=bf16_run(cfg), recompute=recomputing(cfg), compiles=compiles,
+        model=model if swap else None, transform=transform, shape_transform=shape_transform)
     groups: dict[str, list[str]] = {}
     for name, entry in plan.items():
         groups.setdefault(entry.canonical, []).append(name)

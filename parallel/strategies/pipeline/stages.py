@@ -40,18 +40,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from parallel.blocks import nested, repeated_blocks
-from parallel.config import Config, ConfigError, bf16_run
-from parallel.dims import batch_mesh
-from parallel.engine import autocast
+from parallel.config import ConfigError
 from parallel.init import InitPlan, materialize_and_init
 from parallel.profiling import phase
 from parallel.runtime import Runtime
-from parallel.strategies.compile import compile_blocks, compiling
-from parallel.strategies.pipeline import schedules
+from parallel.strategies.compile import compile_blocks
 from parallel.strategies.pipeline.chain import chain, compiled, stage_shapes, used_names
-from parallel.strategies.pipeline.split import Split, example_microbatch
+from parallel.strategies.pipeline.split import Split
 from parallel.strategies.pipeline.trace import retarget
-from parallel.strategies.recompute import recompute_blocks, recomputing
+from parallel.strategies.recompute import recompute_blocks
 
 
 @dataclass
@@ -120,29 +117,37 @@ class TimedStage(PipelineStage):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
 
-def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan,
-                 compute_time: ComputeTime, model: nn.Module | None = None, transform=None, shape_transform=None):
+def build_stages(split: Split, mesh: DeviceMesh, runtime: Runtime, plan: InitPlan, compute_time: ComputeTime,
+                 ranks: list[int], example: tuple, *, bf16: bool, recompute: bool, compiles: bool,
+                 model: nn.Module | None = None, transform=None, shape_transform=None):
     """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
 
     With `model` (strategy=hybrid, or trainer.compile), each stage gets the model's
     own block modules in place of the traced ones (Note [own or traced blocks]),
     then `transform(stage, blocks)`; without it, `transform` is given the traced
     blocks. Every stage times its compute into `compute_time`.
+
+    Args:
+        ranks: the pp rank of every stage (schedules.stage_ranks of the schedule).
+        example: one microbatch's positional inputs on meta (split.example_microbatch), to shape the stages
+            up front under `runtime.static_shapes`.
+        bf16: stages compute under bf16 autocast (Note [bf16 stages]).
+        recompute: checkpoint each stage's blocks (strategy.activations=checkpoint).
+        compiles: compile each stage's blocks (trainer.compile, with `model`: Note [regional compilation]).
     """
-    s, device = cfg.strategy, runtime.device
+    device = runtime.device
     pp_mesh = mesh["pp"]
     pp_rank, pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-    ranks = schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank)
     mine = [i for i, r in enumerate(ranks) if r == pp_rank]
     try:
         chained = chain(split.pipe)  # Note [stage chain]
     except ValueError as e:
         raise ConfigError(f"strategy=pipeline: {e}") from None
-    shapes = _static_shapes(split, chained, mesh, cfg, model, shape_transform) if runtime.static_shapes else None
+    shapes = _static_shapes(split, chained, example, model, shape_transform) if runtime.static_shapes else None
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
-        _prepare(mod, split, cfg, runtime, model, transform)
+        _prepare(mod, split, device, model, transform, recompute, compiles, bf16)
         materialize_and_init(mod, device, plan, runtime.values)
         # Shapes are found at the first step (PyTorch's runtime inference); only
         # floating-point and boolean tensors cross stages (split._boundaries), which that allows.
@@ -155,25 +160,26 @@ def build_stages(split: Split, mesh: DeviceMesh, cfg: Config, runtime: Runtime, 
     return stages, modules, _tie(split, mesh, modules, ranks, plan)
 
 
-def _prepare(mod: fx.GraphModule, split: Split, cfg: Config, runtime: Runtime, model: nn.Module | None,
-             transform) -> None:
+def _prepare(mod: fx.GraphModule, split: Split, device: torch.device, model: nn.Module | None, transform,
+             recompute: bool, compiles: bool, bf16: bool) -> None:
     """One stage of the chain made ready to materialize: unused blocks dropped, run as generated code, on this
     rank's device; with `model`, the model's own blocks swapped in (else the traced ones kept, Note [own or
     traced blocks]); recomputation, `transform` and compilation applied in that order (Note [regional
-    compilation] in parallel/strategies/compile.py)."""
+    compilation] in parallel/strategies/compile.py), as `build_stages` asks."""
     _drop_unused(mod, split.blocks)
     _mark_transient(mod, split.transient)
     compiled(mod)
-    retarget(mod, runtime.device)
+    retarget(mod, device)
     blocks = eager_blocks(mod, model, split.blocks) if model is not None else traced_blocks(mod, split.blocks)
     called = used_names(mod, ("call_module",))
-    if recomputing(cfg):  # before the transform's FSDP units wrap the blocks
+    if recompute:  # before the transform's FSDP units wrap the blocks
         recompute_blocks(mod, [n for n in split.blocks if n in called])
     if transform is not None:
         transform(mod, blocks)
-    if model is not None and compiling(cfg, runtime):
+    if model is not None and compiles:
         compile_blocks(mod, [n for n in repeated_blocks(model) if n in called])
-    in_bf16(mod, cfg, runtime.device)
+    if bf16:
+        in_bf16(mod, device)
 
 
 # Note [bf16 stages]
@@ -183,15 +189,13 @@ def _prepare(mod: fx.GraphModule, split: Split, cfg: Config, runtime: Runtime, m
 # where autocast casts nothing. bf16 -> fp32 -> bf16 is exact, so a matrix product of the next stage sees the
 # values single's does; an op autocast leaves alone (an activation, a residual sum) may compute in fp32 where
 # single's computed in bf16, within bf16's rounding. The fp32 boundary sends twice a bf16 one's bytes.
-def in_bf16(mod: nn.Module, cfg: Config, device: torch.device) -> None:
-    """Run stage `mod` under the run's autocast, its floating-point outputs handed on in fp32 (Note [bf16 stages]);
-    nothing under fp32."""
-    if not bf16_run(cfg):
-        return
+def in_bf16(mod: nn.Module, device: torch.device) -> None:
+    """Run stage `mod` under bf16 autocast on `device` (parallel.engine.autocast's, for a bf16 run), its
+    floating-point outputs handed on in fp32 (Note [bf16 stages])."""
     inner = mod.forward
 
     def forward(*args, **kwargs):
-        with autocast(cfg, device):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             out = inner(*args, **kwargs)
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, out)
@@ -199,8 +203,8 @@ def in_bf16(mod: nn.Module, cfg: Config, device: torch.device) -> None:
     mod.forward = forward  # an instance attribute: FSDP2's hooks, registered on the module, still run around it
 
 
-def _static_shapes(split: Split, chained: list[fx.GraphModule], mesh: DeviceMesh, cfg: Config,
-                   model: nn.Module | None, shape_transform) -> list[tuple[tuple, tuple]]:
+def _static_shapes(split: Split, chained: list[fx.GraphModule], example: tuple, model: nn.Module | None,
+                   shape_transform) -> list[tuple[tuple, tuple]]:
     """Every stage's boundary shapes up front (`runtime.static_shapes`: the planner, where no values cross).
 
     With a `shape_transform` (tensor parallelism) each stage is shaped as its
@@ -213,7 +217,7 @@ def _static_shapes(split: Split, chained: list[fx.GraphModule], mesh: DeviceMesh
             _drop_unused(gm, split.blocks)
             eager_blocks(gm, model, split.blocks)
             shape_transform(gm)
-    return stage_shapes(shaped, example_microbatch(cfg, batch_mesh(mesh).size()))
+    return stage_shapes(shaped, example)
 
 
 def own_blocks(model: nn.Module, names: list[str]) -> bool:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+from typing import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -64,27 +65,30 @@ __all__ = ["STYLES", "apply_tensor", "check_plan", "check_tensor_keys", "infer_p
            "tensor_plan"]
 
 
-def resolve_plan(model: nn.Module, cfg: Config, example: tuple = ()) -> dict[str, str]:
+def resolve_plan(model: nn.Module, tp: int, entries: Sequence[str] = (), sequence_parallel: bool = False,
+                 example: tuple = ()) -> dict[str, str]:
     """Module name -> style name, from strategy.tp_plan, the model's own plan, or inferred; checked.
 
     Args:
         model: the unpartitioned model on the meta device.
-        cfg: the run config (strategy.tp, tp_plan, sequence_parallel).
-        example: meta inputs of one batch, to infer a plan from the forward.
+        tp: the tensor-parallel degree (strategy.tp).
+        entries: strategy.tp_plan's "pattern:style" entries; empty: the model's own plan, or one inferred.
+        sequence_parallel: strategy.sequence_parallel (a plan with the seq_* styles).
+        example: meta inputs of one batch (positional), to infer a plan from the forward.
 
     Raises:
         ConfigError: unknown style, a pattern matching no module, a style on a module it cannot shard, a
             width or a head count that does not divide by tp, tied weights split differently, or a model
             without a plan.
     """
-    return _resolve(model, cfg, example)[0]
+    return _resolve(model, tp, entries, sequence_parallel, example)[0]
 
 
-def _resolve(model: nn.Module, cfg: Config, example: tuple) -> tuple[dict[str, str], str]:
+def _resolve(model: nn.Module, tp: int, entries: Sequence[str], sp: bool, example: tuple) \
+        -> tuple[dict[str, str], str]:
     """(the checked plan, where it came from: "config", "model", "hugging face" or "inferred")."""
-    tp, sp = cfg.strategy.tp, cfg.strategy.sequence_parallel
-    if cfg.strategy.tp_plan:
-        plan, source = _expand(model, _parse(cfg.strategy.tp_plan)), "config"
+    if entries:
+        plan, source = _expand(model, _parse(entries)), "config"
     elif callable(getattr(model, "tp_plan", None)):  # a built-in model's method
         plan, source = _method_plan(model, tp, sp), "model"
     elif (hf := hf_tp_plan(model)) is not None:
@@ -131,7 +135,7 @@ def _method_plan(model: nn.Module, tp: int, sp: bool) -> dict[str, str]:
         raise ConfigError(f"strategy.tp={tp}: {e}") from None
 
 
-def _parse(entries: list[str]) -> dict[str, str]:
+def _parse(entries: Sequence[str]) -> dict[str, str]:
     """["pattern:style", ...] -> {pattern: style}."""
     plan = {}
     for entry in entries:
@@ -158,9 +162,11 @@ def _expand(model: nn.Module, patterns: dict[str, str], strict: bool = True) -> 
     return plan
 
 
-def tensor_plan(model: nn.Module, cfg: Config) -> dict[str, str]:
-    """The checked plan for `model` (on meta); an inferred or a Hugging Face one is printed."""
-    plan, source = _resolve(model, cfg, as_call(example_input(cfg.data))[0])
+def tensor_plan(model: nn.Module, tp: int, entries: Sequence[str], sequence_parallel: bool,
+                example: tuple) -> dict[str, str]:
+    """The checked plan for `model` (on meta; the arguments as `resolve_plan`'s); an inferred or a Hugging Face
+    one is printed."""
+    plan, source = _resolve(model, tp, entries, sequence_parallel, example)
     if source in ("inferred", "hugging face"):
         what = "inferred" if source == "inferred" else f"{type(model).__name__}'s own (Hugging Face)"
         log.info("%s tensor-parallel plan (set strategy.tp_plan to change it): %s", what,
@@ -200,8 +206,9 @@ def _tied(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
-    """Shard `model` (on meta) over the mesh's `tp` dimension by its plan, in place."""
-    shard(model, mesh, tensor_plan(model, cfg))
+    """strategy=model: shard `model` (on meta) over the mesh's `tp` dimension by its plan, in place."""
+    s, example = cfg.strategy, as_call(example_input(cfg.data))[0]
+    shard(model, mesh, tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example))
     return model
 
 
@@ -219,11 +226,11 @@ def check_plan(model: nn.Module, cfg: Config) -> None:
     """The plan resolves against the model (on meta): styles known, patterns matched, widths and head counts
     divisible, tied weights split alike; and a rank's forward and backward under it, rehearsed on fake tensors,
     give the whole model's output shapes (Note [plan rehearsal] in parallel/strategies/tensor/rehearse.py)."""
-    example = as_call(example_input(cfg.data))[0]
-    plan, source = _resolve(model, cfg, example)
+    s, example = cfg.strategy, as_call(example_input(cfg.data))[0]
+    plan, source = _resolve(model, s.tp, s.tp_plan, s.sequence_parallel, example)
     if source == "model" and type(model).__module__.startswith("parallel."):
         return  # a built-in model's own plan, proven against single by the suite (Note [plan rehearsal])
-    s, name = cfg.strategy, type(model).__name__
+    name = type(model).__name__
     if source == "config":
         what, hint = f"strategy.tp_plan={list(s.tp_plan)!r}", ""
     else:
