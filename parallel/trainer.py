@@ -28,7 +28,7 @@ from parallel.lr_schedule import build_scheduler
 from parallel.memory.oom import out_of_memory
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss, progress_bar
 from parallel.models import weights
-from parallel.models.build import build_meta_model
+from parallel.models.build import build_meta_model, model_recipe
 from parallel.models.moe_stats import moe_record
 from parallel.nonfinite import AgreedStop, Guard
 from parallel.optim import all_sum, build_optimizer, param_names
@@ -82,18 +82,20 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
 
     `mesh`, `model` (on meta) and `data` may come ready-made (the planner makes
     them outside its fake-tensor mode). The initial values are `runtime.values`;
-    when it is None they are made here for `cfg.model` (Note [initial values]),
-    with `runtime.run_dir` for the file rank 0 hands the model's own values over in.
+    when it is None they are made here from the model's recipe (Note [building a
+    model], Note [initial values]), with `runtime.run_dir` for the file rank 0
+    hands the model's own values over in.
     """
     mesh = dims.build_mesh(runtime.device.type) if mesh is None else mesh
-    model = build_meta_model(cfg.model) if model is None else model
+    recipe = model_recipe(cfg.model)  # what to build, resolved once (Note [building a model])
+    model = build_meta_model(recipe) if model is None else model
     # Training mode, as a user's loop sets it: a factory may return a model in eval mode (Hugging Face's
     # from_pretrained does), which would turn dropout off and BatchNorm to its running statistics.
     model.train()
     plan = init_plan(model)  # names -> initialization, taken before any partitioning
     if runtime.values is None:
         values = ByName(cfg.trainer.seed, model) if runtime.run_dir is None else \
-            weights.initial_values(cfg.model, cfg.trainer.seed, runtime.run_dir, model, plan)
+            weights.initial_values(recipe, cfg.trainer.seed, runtime.run_dir, model, plan)
         runtime = dataclasses.replace(runtime, values=values)
     engine = parallelize(model, mesh, cfg, runtime, plan)
     names = param_names(engine.state_modules(), {name: entry.canonical for name, entry in plan.items()})

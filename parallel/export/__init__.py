@@ -22,6 +22,7 @@ written one at a time (Note [reading a tensor at a time]); names map as Note
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from parallel.export.files import shards, unsupported, write_weights
 from parallel.export.hf import is_hf, write_hf_files
 from parallel.export.names import LORA_MODES, exported_tensors, trained_lora
 from parallel.export.source import FINAL, Located, WithBase, locate, open_weights, run_config
-from parallel.models.build import build_meta_model, build_model
+from parallel.models.build import build_meta_model, build_model, model_recipe
 from parallel.models.lora import adapter_names
 from parallel.units import human_bytes, parse_bytes
 
@@ -101,17 +102,19 @@ def export(options: ExportOptions, cfg: Config | None = None) -> str:
     located = locate(options.checkpoint)
     cfg = cfg if cfg is not None else run_config(located.run_dir, options.checkpoint)
     out = _check_out(options, located)
-    model = build_meta_model(cfg.model)
+    recipe = model_recipe(cfg.model)
+    model = build_meta_model(recipe)
     hf = is_hf(model)
     lora = trained_lora(cfg.model)
     adapter = lora and options.lora == "adapter"
     names = peft_config = None
     if adapter:
         with torch.device("meta"):
-            peft_config, names = adapter_names(build_model(cfg.model), cfg.model)
+            base = build_model(dataclasses.replace(recipe, adapters=None))
+            peft_config, names = adapter_names(base, recipe.adapters)
     reader = open_weights(located)
     if lora:  # a checkpoint holds no frozen weights (Note [LoRA]): they come from where the run took them
-        reader = WithBase(reader, model, cfg)
+        reader = WithBase(reader, model, recipe, cfg.trainer.seed)
     entries = exported_tensors(model, reader.specs, cfg.model, options.lora, hf, options.checkpoint, names)
     bad = unsupported(entries)
     if bad:

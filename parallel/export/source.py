@@ -36,10 +36,10 @@ from parallel.checkpoint import META, incomplete, newest_complete
 from parallel.config import Config, ConfigError, RunError, error_text, fail
 from parallel.init import init_plan
 from parallel.init.values import FromFiles
-from parallel.models.build import weights_path
+from parallel.models.build import ModelRecipe, build_model
 from parallel.models.hf import derive_auto_class
 from parallel.models.lora import base_name
-from parallel.models.weights import build_own_model, weight_files
+from parallel.models.weights import weight_files
 
 FINAL = "final_model.pt"
 RUN_CONFIG = Path(".hydra", "config.yaml")  # written at the start of every run (Note [one run directory])
@@ -201,14 +201,13 @@ class WithBase:
     took it at the start (model.weights or the model=hf directory); what no file holds (a run that built its
     base from the seed) from the run's own build, made once, whole, on the first such read."""
 
-    def __init__(self, inner, model: torch.nn.Module, cfg: Config):
-        self.inner, self.cfg = inner, cfg
+    def __init__(self, inner, model: torch.nn.Module, recipe: ModelRecipe, seed: int):
+        self.inner, self.recipe, self.seed = inner, recipe, seed
         self.plan = init_plan(model)
         self.specs = {k: Spec(tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
         self.specs.update(inner.specs)
-        weights = weights_path(cfg.model)
-        self.files = None if weights is None else FromFiles(weight_files(weights, model), self.plan,
-                                                            getattr(model, "base_model_prefix", ""), plain=base_name)
+        self.files = None if recipe.weights is None else FromFiles(
+            weight_files(recipe.weights, model), self.plan, getattr(model, "base_model_prefix", ""), plain=base_name)
         self._own: dict | None = None
 
     def read(self, name: str) -> torch.Tensor:
@@ -218,7 +217,7 @@ class WithBase:
         if self.files is not None and name in self.files.keys:
             return self.files.full(name, self.plan[name], spec.shape, spec.dtype)
         if self._own is None:
-            self._own = build_own_model(self.cfg.model, self.cfg.trainer.seed).state_dict()
+            self._own = build_model(self.recipe, self.seed).state_dict()
         return self._own[name].to(spec.dtype)
 
     def close(self) -> None:

@@ -31,6 +31,18 @@ def name_seed(seed: int, fqn: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def fill_own_kinds(model: nn.Module, seed: int) -> None:
+    """Fill, in place, every tensor of each module with parameters of its own kind (`init_parameter`) from a
+    generator seeded by its name, as under model.init=name: the values rank 0's own build gives them
+    (parallel.models.build.build_model), whatever the module's constructor drew."""
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            if hasattr(module, "init_parameter"):
+                for local, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+                    fqn = f"{mod_name}.{local}" if mod_name else local
+                    module.init_parameter(local, t.data, torch.Generator().manual_seed(name_seed(seed, fqn)))
+
+
 def _uniform_fan_in(fan_in: int) -> Callable:
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     return lambda t, g: t.uniform_(-bound, bound, generator=g)

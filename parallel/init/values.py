@@ -9,7 +9,7 @@ each rank holds (parallel.init.plan.materialize_and_init), each from one
   constructor values, `reset_parameters()`, Hugging Face `_init_weights`,
   buffers computed in `__init__`. Global rank 0 builds the model once on the
   CPU and writes every tensor to a safetensors file in the run directory
-  (`own_weights`); every rank then reads only the pieces it holds (`FromFiles`).
+  (`write_own_weights`); every rank then reads only the pieces it holds (`FromFiles`).
   The model must fit in one host's memory, once.
 - `model.weights=PATH` (pretrained): `FromFiles` over the user's files, each rank
   reading only its pieces; no rank holds the whole model. Buffers that are not
@@ -18,7 +18,7 @@ each rank holds (parallel.init.plan.materialize_and_init), each from one
   buffers alone are real, and small). With `model.strict=false`, tensors the
   files lack take the model's own values (above); for `model=hf` those are what
   `torch.manual_seed(trainer.seed); cls.from_pretrained(path)` gives them: rank 0
-  builds the model that way (parallel.models.weights.build_own_model).
+  builds the model that way (parallel.models.build.build_model with the seed).
 - `model.init=name` (Note [initialization by name]): every tensor from a
   generator seeded by its name, one tensor at a time on every rank; no rank ever
   holds the whole model, so it is the path for a model too large for one host

@@ -1,10 +1,27 @@
-"""Model building: the factory (a built-in or the user's `_target_`), the model on the meta device, and the
-checks that it can be built, initialized and fed the configured data (run once, before workers start)."""
+"""Model building: what to build, resolved once (`ModelRecipe`), the model on the meta device, and the checks
+that it can be built, initialized and fed the configured data (run once, before workers start).
+
+# Note [building a model]
+A run builds its model in one pass, each step in one place:
+1. what to build, `model_recipe`: the factory (a built-in or the user's `_target_`) and its arguments, or
+   model=hf's class and config (parallel.models.hf); the adapters' PEFT config (parallel.models.lora); the
+   freeze patterns; where pretrained values are read, and how the rest are made (model.init, model.strict).
+2. the model, `build_model`: the factory's, or model=hf's class from its config (from its directory's weights
+   for rank 0's own build), made ready to train (Note [Hugging Face models for training]), and
+3. its adapters, `add_adapters` at the end of `build_model` (Note [LoRA]), as the user's script puts them on;
+4. `freeze`, on the meta model, before any strategy sees it (`build_meta_model` does 2 to 4);
+5. its initial values, `initial_values` (parallel.models.weights; Note [initial values]).
+The trainer resolves the recipe once and hands it to `build_meta_model` and to `initial_values`, which builds
+the model again, through `build_model`, where it needs real tensors: rank 0's own CPU build under
+`torch.manual_seed(trainer.seed)`, or the buffers a constructor computes.
+"""
 from __future__ import annotations
 
 import fnmatch
 import inspect
 import os
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -12,36 +29,62 @@ from torch import nn
 from parallel.config import INITS, Config, ConfigError, ModelConfig, fail, import_target
 from parallel.data import example_input, vocab_is_bound
 from parallel.init import check_initializable
+from parallel.init.by_name import fill_own_kinds
 from parallel.loss import logits_of
 from parallel.models import MODELS
-from parallel.models.hf import for_training, hf_args, hf_model, hf_pretrained, hf_weights
-from parallel.models.lora import add_adapters
+from parallel.models.hf import HFModel, for_training, hf_build, hf_source, hf_weights
+from parallel.models.lora import Adapters, adapters_of, add_adapters
 from parallel.tensors import as_call, main_field, meta_forward
 
 
+@dataclass(frozen=True)
+class ModelRecipe:
+    """What a run builds and where its initial values come from, resolved once from the model group
+    (Note [building a model])."""
+
+    factory: Callable[..., Any] | None  # a built-in or the user's `_target_`; None for model=hf
+    args: dict  # the factory's keyword arguments (model=hf: its directory, Auto class and overrides)
+    hf: HFModel | None  # model=hf: the class and config it is built from, and its directory's weights
+    adapters: Adapters | None  # model.lora / model.peft
+    freeze: tuple[str, ...]  # model.freeze
+    weights: str | None  # the pretrained values every rank reads its pieces of (weights_path)
+    init: str  # model.init: how what the weights do not hold is made
+    strict: bool  # model.strict
+    target: str | None  # model._target_ and model.name, which errors about the build name
+    name: str
+
+
+def model_recipe(m: ModelConfig) -> ModelRecipe:
+    """What to build (Note [building a model]). Raises ConfigError: an unknown model, a `_target_` that is not
+    callable, a model=hf directory without a readable config, bad adapters."""
+    factory = resolve_factory(m)
+    hf = hf_source(m) if factory is None else None  # model=hf: its class and config, read once
+    args, pretrained = (dict(m.args), None) if hf is None else (hf.args, hf.weights)
+    weights = m.weights if m.weights is not None else pretrained  # weights_path, its directory read once
+    return ModelRecipe(factory, args, hf, adapters_of(m), tuple(m.freeze), weights, m.init, m.strict, m._target_,
+                       m.name)
+
+
 def resolve_factory(m: ModelConfig):
-    """The callable that builds the model: a built-in, or the user's `_target_`."""
+    """The callable that builds the model: a built-in, or the user's `_target_`; None for model=hf (built
+    from its class and config: parallel.models.hf.hf_source)."""
     if m._target_:
         factory = import_target("model._target_", m._target_)
         if not callable(factory):
             fail("model._target_", m._target_, "is not callable")
         return factory
     if m.name == "hf":
-        return hf_model
+        return None
     if m.name not in MODELS:
         fail("model.name", m.name, "unknown model; use a built-in, model=hf or set model._target_",
              sorted([*MODELS, "hf"]))
     return MODELS[m.name]
 
 
-def model_args(m: ModelConfig) -> dict:
-    """The keyword arguments the factory is called with."""
-    return hf_args(m) if m.name == "hf" and not m._target_ else dict(m.args)
-
-
 def pretrained_dir(m: ModelConfig) -> str | None:
-    """The model=hf directory whose own weights are loaded (model.pretrained, and no model.weights instead)."""
-    return hf_weights(m) if m.name == "hf" and not m._target_ and m.weights is None else None
+    """The model=hf directory whose own weights are loaded (model.pretrained, and no model.weights instead;
+    a `_target_` replaces model=hf's build)."""
+    return hf_weights(m) if m.name == "hf" and not m._target_ else None
 
 
 def weights_path(m: ModelConfig) -> str | None:
@@ -49,42 +92,56 @@ def weights_path(m: ModelConfig) -> str | None:
     return m.weights if m.weights is not None else pretrained_dir(m)
 
 
-def build_model(m: ModelConfig, pretrained: bool = False) -> nn.Module:
-    """The user's model as their own script builds it, on the current device, under the caller's seed: the
-    factory's, or with `pretrained` (model=hf with its directory's weights) `from_pretrained`'s; then made
-    ready to train (Note [Hugging Face models for training] in parallel/models/hf.py). Every build of the
-    model goes through here: the meta model, rank 0's initial values (parallel.models.weights.build_own_model)
-    and the constructed buffers; each caller then adds the adapters (add_adapters, Note [LoRA])."""
-    if pretrained and pretrained_dir(m) is not None:
-        model = hf_pretrained(**hf_args(m))
+def build_model(recipe: ModelRecipe, seed: int | None = None) -> nn.Module:
+    """The user's model as their own script builds it, on the current device, then its adapters (Note [LoRA]):
+    every build of the run's model goes through here (Note [building a model]).
+
+    Args:
+        recipe: what to build: the factory's model, or model=hf's class from its config, made ready to train
+            (Note [Hugging Face models for training] in parallel/models/hf.py).
+        seed: None: the model's structure, under the caller's generator (the meta model; the buffers its
+            constructor computes). An int: its own values, as `torch.manual_seed(seed)` and then the user's
+            script give them (rank 0's build, Note [initial values]): model=hf with its directory's weights
+            as `from_pretrained` loads it, and the framework's own kinds of layers filled by name.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    if recipe.hf is None:
+        model = recipe.factory(**recipe.args)
     else:
-        model = resolve_factory(m)(**model_args(m))
-    return for_training(model)
+        model = hf_build(recipe.hf, pretrained=seed is not None)
+    model = for_training(model)
+    if seed is not None:
+        fill_own_kinds(model, seed)
+    return add_adapters(model, recipe.adapters)  # after the user's build, as their script adds them
 
 
-def build_meta_model(m: ModelConfig) -> nn.Module:
-    """Build the model on the meta device (no memory) and check it is an nn.Module that can be initialized."""
+def build_meta_model(m: ModelConfig | ModelRecipe) -> nn.Module:
+    """The model on the meta device (no memory), its adapters on and `model.freeze` applied, checked to be an
+    nn.Module that can be initialized. `m`: the model group, or the recipe already resolved from it (the
+    trainer's, which the initial values read too)."""
+    recipe = m if isinstance(m, ModelRecipe) else model_recipe(m)
     try:
         with torch.device("meta"):
-            model = add_adapters(build_model(m), m)
+            model = build_model(recipe)
     except ConfigError:
         raise  # model=hf's own checks name their keys
     except (TypeError, ValueError) as e:
-        key = "model._target_" if m._target_ else f"model={m.name}"
-        fail(key, model_args(m), f"building the model failed: {type(e).__name__}: {e}")
+        key = "model._target_" if recipe.target else f"model={recipe.name}"
+        fail(key, recipe.args, f"building the model failed: {type(e).__name__}: {e}")
     if not isinstance(model, nn.Module):
-        key = "model._target_" if m._target_ else "model.name"
-        fail(key, m._target_ or m.name, f"must return an nn.Module, returned {type(model).__name__}")
-    freeze(model, m.freeze)
-    if m.init == "name":
+        fail("model._target_" if recipe.target else "model.name", recipe.target or recipe.name,
+             f"must return an nn.Module, returned {type(model).__name__}")
+    freeze(model, recipe.freeze)
+    if recipe.init == "name":
         try:
             check_initializable(model)
         except ValueError as e:
-            fail("model.init", m.init, str(e))
+            fail("model.init", recipe.init, str(e))
     return model
 
 
-def freeze(model: nn.Module, patterns: list[str]) -> None:
+def freeze(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> None:
     """Turn off `requires_grad` of every parameter whose name matches one of `patterns` (`*` wildcards),
     on the meta model, before any strategy sees it: each strategy then leaves it out of its gradients,
     gradient syncs and optimizer state as it does for any frozen parameter. A pattern that matches no
@@ -110,22 +167,22 @@ def check_model(m: ModelConfig) -> nn.Module:
         fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
     if m.init not in INITS:
         fail("model.init", m.init, "unknown initialization", list(INITS))
-    factory = resolve_factory(m)
+    recipe = model_recipe(m)
     try:
-        sig = inspect.signature(factory)
+        sig = None if recipe.factory is None else inspect.signature(recipe.factory)
     except (TypeError, ValueError):
         sig = None  # a builtin or C callable: its arguments are checked by calling it
     if sig is not None:
         try:
-            sig.bind(**model_args(m))
+            sig.bind(**recipe.args)
         except TypeError as e:
             hint = ""
             if m._target_ and m.name != "custom":
                 hint = f"; model.args holds the built-in '{m.name}' arguments: start from model=custom"
             fail("model.args", dict(m.args),
-                 f"do not fit {getattr(factory, '__qualname__', factory)}{sig}: {e}{hint}",
+                 f"do not fit {getattr(recipe.factory, '__qualname__', recipe.factory)}{sig}: {e}{hint}",
                  list(sig.parameters))
-    return build_meta_model(m)
+    return build_meta_model(recipe)
 
 
 def check_model_takes_data(cfg: Config, model: nn.Module | None = None):

@@ -3,17 +3,20 @@
 The architecture comes from the directory's `config.json` (`architectures`, `model.auto_class`, or the class
 `data.task` names), with `model.config` overrides; the model is built as `from_config` builds it (its own
 `_init_weights`), and its weights are loaded from the directory when it has them and `model.pretrained` is
-true (parallel.init.values; what they lack as `from_pretrained` initialises it, `hf_pretrained`). Nothing is
+true (parallel.init.values; what they lack as `from_pretrained` initialises it, `hf_build`). Nothing is
 downloaded: the directory is read with `local_files_only`, and Hugging Face's hub is kept offline.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -65,7 +68,7 @@ def hf_config(path: str, overrides: dict | None = None):
 # - fused experts (a mixture-of-experts model's): the grouped matrix product they run is given a fake kernel
 #   for every dtype its real kernels take (Note [grouped matmul on fake tensors] in parallel/torch_patches.py).
 # With pretrained weights that lack some of the class's tensors, rank 0 builds the model as the user's script
-# does, `torch.manual_seed(seed); cls.from_pretrained(path)` (`hf_pretrained`), so the missing ones get the
+# does, `torch.manual_seed(seed); cls.from_pretrained(path)` (`hf_build`), so the missing ones get the
 # values from_pretrained gives them (Note [initial values] in parallel/init/values.py).
 def cache_off(config) -> None:
     """Turn the key/value cache off in `config` and in its text model's config (a composite model's)."""
@@ -128,26 +131,45 @@ def hf_class(config, auto_class: str | None):
     return getattr(transformers, architectures[0])
 
 
-def hf_model(path: str, auto_class: str | None = None, config: dict | None = None) -> nn.Module:
-    """The model of the directory `path`, as `from_config` builds it (its own initialization)."""
-    conf = hf_config(path, config)
-    cls = hf_class(conf, auto_class)
+@dataclass(frozen=True)
+class HFModel:
+    """What model=hf builds, resolved once from its directory (`hf_source`): the class, and its config with
+    model.config's overrides set and the cache off."""
+
+    cls: type
+    config: Any
+    args: dict  # hf_args: the directory, the Auto class and the overrides
+    weights: str | None  # hf_weights: the directory, when from_pretrained loads its weights
+
+
+def hf_source(m: ModelConfig) -> HFModel:
+    """The class and config of model=hf's directory, and whether its weights are loaded."""
+    args = hf_args(m)
+    try:
+        conf = hf_config(args["path"], args["config"])
+        cls = hf_class(conf, args["auto_class"])
+    except ConfigError:
+        raise  # its own checks name their keys
+    except (TypeError, ValueError) as e:  # transformers refusing the directory's config
+        fail("model=hf", args, f"building the model failed: {type(e).__name__}: {e}")
+    return HFModel(cls, conf, args, hf_weights(m))
+
+
+def hf_build(h: HFModel, pretrained: bool = False) -> nn.Module:
+    """The model `h` describes, as `from_config` builds it (its own initialization), or with `pretrained` and
+    weights in its directory as `cls.from_pretrained(path)` loads it (what the weights lack initialised by
+    from_pretrained, with the current global generator)."""
+    config = copy.deepcopy(h.config)  # a model keeps, and may change, the config it is built from: its own
+    if pretrained and h.weights is not None:
+        with _quiet_loading():
+            return h.cls.from_pretrained(h.weights, config=config, local_files_only=True)
+    auto_class = h.args["auto_class"]
     if auto_class is not None:
         try:
-            return cls.from_config(conf)
+            return h.cls.from_config(config)
         except ValueError as e:
-            fail("model.auto_class", auto_class, f"cannot build {type(conf).__name__}: {str(e).splitlines()[0]}")
-    return cls._from_config(conf)
-
-
-def hf_pretrained(path: str, auto_class: str | None = None, config: dict | None = None) -> nn.Module:
-    """The model of the directory `path` with its weights, as `cls.from_pretrained(path)` loads it (what the
-    weights lack initialised by from_pretrained, with the current global generator); takes `hf_model`'s
-    arguments."""
-    conf = hf_config(path, config)
-    cls = hf_class(conf, auto_class)
-    with _quiet_loading():
-        return cls.from_pretrained(path, config=conf, local_files_only=True)
+            fail("model.auto_class", auto_class, f"cannot build {type(config).__name__}: {str(e).splitlines()[0]}")
+    return h.cls._from_config(config)
 
 
 def derive_auto_class(m: ModelConfig, task: str) -> None:
@@ -167,15 +189,16 @@ def derive_auto_class(m: ModelConfig, task: str) -> None:
 
 
 def hf_args(m: ModelConfig) -> dict:
-    """`hf_model`'s arguments from the model group."""
+    """`hf_source`'s arguments from the model group."""
     if m.path is None or m.path == "???":
         fail("model.path", m.path, "model=hf builds the model of a directory: set model.path=DIR")
     return {"path": m.path, "auto_class": m.auto_class, "config": dict(m.config)}
 
 
 def hf_weights(m: ModelConfig) -> str | None:
-    """The directory's weights when they are to be loaded (model.pretrained and the directory has them)."""
-    return m.path if m.pretrained and m.path and has_weights(m.path) else None
+    """The directory's weights when they are to be loaded: model.pretrained, the directory has them, and no
+    model.weights replaces them."""
+    return m.path if m.pretrained and m.weights is None and m.path and has_weights(m.path) else None
 
 
 # Note [Hugging Face tensor-parallel plans]

@@ -22,6 +22,8 @@ from where they came from at the start (the pretrained files, or the seeded buil
 """
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,16 +85,34 @@ def peft_config(m: ModelConfig):
                            modules_to_save=list(m.lora.modules_to_save) or None)
 
 
-def add_adapters(model: nn.Module, m: ModelConfig) -> nn.Module:
-    """`model` with the run's adapters (Note [LoRA]), or `model` itself without them."""
+@dataclass(frozen=True)
+class Adapters:
+    """The adapters a run puts on its model, resolved once (`adapters_of`): PEFT's config, and the key and value
+    an error about them names."""
+
+    config: Any
+    key: str
+    value: Any
+
+
+def adapters_of(m: ModelConfig) -> Adapters | None:
+    """The run's adapters (None without them); raises peft_config's ConfigError."""
     config = peft_config(m)
     if config is None:
+        return None
+    return Adapters(config, "model.peft" if m.peft else "model.lora.targets",
+                    dict(m.peft) if m.peft else list(m.lora.targets))
+
+
+def add_adapters(model: nn.Module, adapters: Adapters | None) -> nn.Module:
+    """`model` with the run's `adapters` (Note [LoRA]), or `model` itself without them."""
+    if adapters is None:
         return model
-    key = "model.peft" if m.peft else "model.lora.targets"
-    value = dict(m.peft) if m.peft else list(m.lora.targets)
+    key, value = adapters.key, adapters.value
     linears = [n for n, mod in model.named_modules() if n and _linear(mod)]
     try:
-        wrapped = _peft().get_peft_model(model, config)
+        # PEFT completes the config it is given (default targets, the base model's name): each model its own copy.
+        wrapped = _peft().get_peft_model(model, copy.deepcopy(adapters.config))
     except (ValueError, TypeError, KeyError, NotImplementedError) as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "not found in the base model" in text or "specify `target_modules`" in text \
@@ -193,11 +213,12 @@ def mergeable(model: nn.Module) -> list[str]:
     return bad
 
 
-def adapter_names(base: nn.Module, m: ModelConfig) -> tuple[Any, dict[str, str]]:
-    """(the PEFT config, {the name PEFT's own save gives an adapter tensor: its name here}), from `base`, the
-    run's model without adapters (on the meta device): the names `PeftModel.from_pretrained` reads."""
-    config = peft_config(m)
+def adapter_names(base: nn.Module, adapters: Adapters) -> tuple[Any, dict[str, str]]:
+    """(the PEFT config as PEFT leaves it on `base`, the one to save; {the name PEFT's own save gives an adapter
+    tensor: its name here}), from `base`, the run's model without adapters (on the meta device): the names
+    `PeftModel.from_pretrained` reads."""
     peft = _peft()
+    config = copy.deepcopy(adapters.config)  # PEFT completes the config it is given: this model's own
     wrapped = peft.get_peft_model(base, config)
     ours, held = {}, {}
     for name, t in wrapped.base_model.model.state_dict(keep_vars=True).items():

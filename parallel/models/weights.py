@@ -6,40 +6,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from parallel.config import ModelConfig, fail
 from parallel.init import InitPlan, init_plan
-from parallel.init.by_name import name_seed
 from parallel.init.files import WeightFileError, WeightFiles, save_weights
 from parallel.init.values import ByName, ConstructedBuffers, FromFiles, Values
 from parallel.memory.host import available_host_memory
-from parallel.models.build import build_model, pretrained_dir, weights_path
+from parallel.models.build import ModelRecipe, build_model, pretrained_dir, weights_path
 from parallel.models.hf_conversion import converted
-from parallel.models.lora import add_adapters, base_name
+from parallel.models.lora import base_name
 from parallel.units import human_bytes
 
 SHOWN = 8  # names listed per kind of problem; the rest are counted
 log = logging.getLogger("parallel")
-
-
-def build_own_model(m: ModelConfig, seed: int) -> nn.Module:
-    """The model exactly as the user's code makes it on the CPU: `torch.manual_seed(seed); factory(**args)`,
-    or for model=hf with its directory's weights `torch.manual_seed(seed); cls.from_pretrained(path)` (what the
-    weights lack then has from_pretrained's values; Note [initial values]). A module that follows the
-    framework's `init_parameter(name, tensor, generator)` protocol then fills its own tensors as it asks
-    (seeded by name, as under model.init=name)."""
-    torch.manual_seed(seed)
-    model = build_model(m, pretrained=True)
-    with torch.no_grad():
-        for mod_name, module in model.named_modules():
-            if hasattr(module, "init_parameter"):
-                for local, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-                    fqn = f"{mod_name}.{local}" if mod_name else local
-                    module.init_parameter(local, t.data, torch.Generator().manual_seed(name_seed(seed, fqn)))
-    return add_adapters(model, m)  # after the user's build, as their script adds them (Note [LoRA])
 
 
 def weight_files(path: str, model: nn.Module):
@@ -51,10 +32,10 @@ def weight_files(path: str, model: nn.Module):
     return converted(WeightFiles(path), model, names - {None})
 
 
-def write_own_weights(m: ModelConfig, seed: int, path: Path) -> None:
-    """Build the model as the user's code does and write every tensor once (a tied one under its first name,
-    non-persistent buffers included) to the safetensors file `path`."""
-    model = build_own_model(m, seed)
+def write_own_weights(recipe: ModelRecipe, seed: int, path: Path) -> None:
+    """Build the model as the user's code does (`build_model` with the seed, on the CPU) and write every tensor
+    once (a tied one under its first name, non-persistent buffers included) to the safetensors file `path`."""
+    model = build_model(recipe, seed)
     tensors = {fqn: getattr(e.module, e.local_name) for fqn, e in init_plan(model).items() if fqn == e.canonical}
     save_weights(tensors, str(path))
 
@@ -75,19 +56,20 @@ def _on_rank0(write, path: Path) -> None:
         raise RuntimeError(f"building the model's initial weights on rank 0 failed: {error}")
 
 
-def initial_values(m: ModelConfig, seed: int, run_dir: Path, model: nn.Module, plan: InitPlan) -> Values:
-    """This run's `Values` (collective: every rank calls it). `model` is the meta model, `plan` its names."""
-    weights = weights_path(m)
-    pretrained = None if weights is None else \
-        FromFiles(weight_files(weights, model), plan, getattr(model, "base_model_prefix", ""), plain=base_name)
-    if m.init == "name":
+def initial_values(recipe: ModelRecipe, seed: int, run_dir: Path, model: nn.Module, plan: InitPlan) -> Values:
+    """This run's `Values` (collective: every rank calls it), the last step of Note [building a model].
+    `model` is the meta model `recipe` built, `plan` its names."""
+    files = None if recipe.weights is None else weight_files(recipe.weights, model)
+    pretrained = None if files is None else \
+        FromFiles(files, plan, getattr(model, "base_model_prefix", ""), plain=base_name)
+    if recipe.init == "name":
         own: Values = ByName(seed, model)
-    elif pretrained is None or pretrained.own or (not m.strict and pretrained.problems(plan, {})[0]):
+    elif pretrained is None or pretrained.own or (not recipe.strict and pretrained.problems(plan, {})[0]):
         path = Path(run_dir) / "initial_weights.safetensors"  # removed once every rank has read it (`done`)
-        _on_rank0(lambda p: write_own_weights(m, seed, p), path)
+        _on_rank0(lambda p: write_own_weights(recipe, seed, p), path)
         own = FromFiles(WeightFiles(str(path)), plan)
     else:
-        own = ConstructedBuffers(lambda: add_adapters(build_model(m), m), seed)
+        own = ConstructedBuffers(lambda: build_model(recipe), seed)
     if pretrained is None:
         return own
     pretrained.fallback = own  # what the files lack (non-persistent buffers; with model.strict=false, more)
@@ -128,7 +110,7 @@ def check_weights(m: ModelConfig, model: nn.Module) -> None:
         fail(key, weights, f"do not fit {type(model).__name__}; " + "; ".join(f for f in found if f),
              "model.strict=false keeps the initial values of missing tensors and ignores unexpected ones")
     _refuse_renamed(key, weights, model, missing, unexpected)
-    # model=hf: what the directory lacks is initialised as from_pretrained initialises it (build_own_model).
+    # model=hf: what the directory lacks is initialised as from_pretrained initialises it (build_model with the seed).
     kept = "from_pretrained's initial values" if pretrained_dir(m) else "initial values kept"
     for what, names in ((f"lack; {kept} for", missing), ("hold, ignored:", unexpected)):
         if names:

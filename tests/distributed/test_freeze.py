@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from parallel.config import ModelConfig
-from parallel.models.weights import build_own_model
+from parallel.models.build import build_model, model_recipe
 from tests import cli
 
 # A whole block and one tensor of the root (so FSDP units hold frozen and trainable parameters together).
@@ -18,7 +18,8 @@ def single(reference):
 
 
 def test_frozen_weights_stay_as_initialized_without_optimizer_state(single):
-    initial = build_own_model(ModelConfig(args={"in_features": 32, "out_features": 4, "depth": 2}), seed=0).state_dict()
+    recipe = model_recipe(ModelConfig(args={"in_features": 32, "out_features": 4, "depth": 2}))
+    initial = build_model(recipe, seed=0).state_dict()
     final = cli.final_weights(single)
     for name, value in initial.items():
         if name in FROZEN:
