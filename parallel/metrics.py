@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -170,7 +171,10 @@ class Metrics:
             return
         step = record["step"]
         pictures = {k: v for k, v in record.items() if isinstance(v, Picture)}
-        self._file.write(json.dumps({k: v for k, v in record.items() if k not in pictures}) + "\n")
+        # Strict JSON: a value that is not finite (a skipped step's loss: Note [non-finite steps]) is null.
+        line = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+                if k not in pictures}
+        self._file.write(json.dumps(line, allow_nan=False) + "\n")
         for picture in pictures.values():
             self.pending[picture.tag] = (step, picture)
         if time.monotonic() - self.pictures_at >= PICTURE_EVERY_S:

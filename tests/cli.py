@@ -247,7 +247,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> torch.Tensor:
     """The logged training losses (an evaluation after a step that logs nothing has a record of its own)."""
-    return torch.tensor([r["loss"] for r in metrics(run_dir) if "loss" in r], dtype=torch.float64)
+    return torch.tensor([float("nan") if r["loss"] is None else r["loss"] for r in metrics(run_dir) if "loss" in r],
+                        dtype=torch.float64)
 
 
 def final_weights(run_dir: Path) -> dict:
