@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from parallel.config import ConfigError
+from parallel.planning import reference_runs
 from tests import cli
 
 PLAN = str(cli.ROOT / "launch" / "plan.py")
@@ -175,15 +176,6 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
     assert bad.returncode == 2 and "nproc='0'" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def _calibrate_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("calibrate_script", cli.ROOT / "launch" / "calibrate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def _validated(overrides: list[str], world: int):
     from hydra import compose, initialize_config_dir
 
@@ -199,22 +191,21 @@ def test_calibrate_leaves_out_a_reference_run_the_world_size_cannot_take():
     """launch/calibrate.py fits collectives in a step to the framework's own runs (data zero 3, model, pipeline;
     on GPUs data zero 0 too); one a world size cannot take (tensor parallelism of hidden 512 over 3 ranks) is a
     config error before anything runs, and left out."""
-    script = _calibrate_script()
     with pytest.raises(ConfigError, match="must divide by tp 3"):
-        script._planned(["strategy=model", "model.args.hidden=512", *script.REFERENCE_MODEL, "trainer.batch_size=192"], 3, None)
+        reference_runs._planned(["strategy=model", "model.args.hidden=512", *reference_runs.REFERENCE_MODEL,
+                                 "trainer.batch_size=192"], 3, None, str(cli.ROOT / "conf"))
 
 
 @pytest.mark.timeout(120)
 def test_calibrate_starts_a_reference_run_from_its_own_process(tmp_path, capfd):
     """launch/calibrate.py's reference runs: workers started from its own process (no second interpreter), their
     step times in the run's metrics.jsonl, their log lines not on calibrate's output."""
-    script = _calibrate_script()
     overrides = ["strategy=data", "strategy.zero=3", "model.args.hidden=32", "trainer.steps=8",
                  "trainer.log_every=4", "trainer.progress=false", "trainer.device=cpu", "trainer.batch_size=8"]
     cfg = _validated(overrides, 2)
     capfd.readouterr()
     environ = dict(os.environ)
-    script._train(cfg, overrides, 2, str(tmp_path / "run"))
+    reference_runs._train(cfg, overrides, 2, str(tmp_path / "run"))
     out = capfd.readouterr().out
     assert dict(os.environ) == environ  # the launch API's variables gone (later runs here use the zygote)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -234,13 +225,12 @@ def test_a_reference_run_that_fails_is_one_line_naming_it(tmp_path, monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("the workers' training broke")
 
-    script = _calibrate_script()
     overrides = ["strategy=data", "model.args.hidden=32", "trainer.steps=2", "trainer.device=cpu"]
     cfg = _validated(overrides, 2)
     monkeypatch.setattr("parallel.launcher.run_training", broken)  # the forked workers' too
     with pytest.raises(RunError, match=r"^calibrate: the reference run `strategy=data model.args.hidden=32 "
                                        r"trainer.steps=2 trainer.device=cpu` failed: .*the workers' training broke"):
-        script._train(cfg, overrides, 2, str(tmp_path / "run"))
+        reference_runs._train(cfg, overrides, 2, str(tmp_path / "run"))
     assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
 
 
