@@ -82,7 +82,8 @@ def test_layers_in_a_module_dict_split_into_stages(reference, tmp_path, split):
     """torchtitan's layout: the layers in an nn.ModuleDict ("0".."3") are blocks of their own, so the stages
     split between them (they went whole to the first stage) and a split point may name one; the partition
     table's parameter counts are what each stage holds (param_bytes_per_rank), and the run is single's."""
-    given = ["strategy.split_points=[layers.2]"] if split == "given" else []
+    # Balanced by parameter counts, not by timed blocks: a busy machine must not move the split.
+    given = ["strategy.split_points=[layers.2]"] if split == "given" else ["strategy.balance=params"]
     run = pipeline_run(tmp_path, DICT_LAYERS + given)
     cli.assert_same_training(run, reference(cli.FAST + DICT_LAYERS))
     log = (run / "logs" / "rank0.log").read_text()
