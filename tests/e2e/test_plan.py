@@ -159,7 +159,11 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
                          cwd=tmp_path, timeout=100).stdout
     assert f"written: {cal}" in out and "2 process(es)" in out
     rates = json.loads(cal.read_text())
-    assert rates["world"] == 2 and rates["threads"] >= 1 and rates["op_s"] > 0 and rates["dtensor_op_s"] > 0
+    assert rates["world"] == 2 and rates["threads"] >= 1 and rates["dtensor_op_s"] > 0
+    # the reference steps' fit (non-negative least squares): which terms it keeps differs between CPUs (an
+    # AMD EPYC put no time on op_s), but it keeps one, and it reproduces the steps it was fitted to
+    fitted = [rates[k] for k in ("products_scale", "memory_scale", "op_s", "step_s")]
+    assert min(fitted) >= 0 and max(fitted) > 0 and 0 <= rates["fit_error"] < 1
     assert rates["replay_scale"] > 0 and rates["replay_op_s"] >= 0
     assert 0 < rates["probe_s"] < 0.1  # a 128 x 128 product, timed by the process that replayed the steps
     assert {f"{k}/2" for k in ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast", "send")} == \
