@@ -314,6 +314,9 @@ class PlanConfig:
     # launch/plan.py: each module's bytes on the first rank (plan.json by_module), its `top` largest printed.
     by_module: bool = False
     top: int = 20
+    # true: every block traced; false: a model of many blocks alike traced at 2, 3 and 4 blocks and its plan
+    # extended to its depth, to the same bytes (Note [planning by depth] in parallel/planning/depth.py).
+    every_block: bool = False
 
 
 @dataclass

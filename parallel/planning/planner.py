@@ -90,11 +90,12 @@ from parallel.init import Blank
 from parallel.loss import end_steps
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
-from parallel.planning.comm import CommBytes, ring_all_reduce_bytes
+from parallel.planning.comm import CommBytes
 from parallel.planning.cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
+from parallel.planning.depth import DEPTHS, block_list, cut, extend, traced_whole
 from parallel.planning.shape_values import ShapeValues
 from parallel.planning.standins import CountingIO, DDPStandIn, InlineExecutor
-from parallel.planning.work import BUCKET, Work, ddp_calls
+from parallel.planning.work import Work, comm_bytes_of, step_work_of
 from parallel.runtime import Runtime
 from parallel.tensors import in_own_thread, local_bytes, plain_tensors, rank_optimizer
 from parallel.torch_compat import settle_autograd_threads
@@ -138,6 +139,12 @@ class RankPlan:
     io_bytes: int = 0  # moved to and from offload's tiers
     work: dict = field(default_factory=dict)  # the step's work as the cost model prices it (Note [step work])
     calls: dict = field(default_factory=dict, repr=False)  # the step's distinct op calls (Work.calls; not JSON)
+    # the counts as tallied, of the two steps planned (Work.raw, comm bytes, DDP's buckets; not JSON): what a
+    # plan extended by depth rebuilds `work` and `comm_bytes` from (Note [planning by depth])
+    tally: dict = field(default_factory=dict, repr=False)
+    # phase -> the most live in it (each kind, total, workspaces, rounding, module), of the two steps: the peak is
+    # the largest; a plan extended by depth extends each and takes the largest (Note [planning by depth])
+    phases: dict = field(default_factory=dict)
     # Planned for CUDA (Note [planning for CUDA] in parallel/planning/cuda.py), else 0 and empty:
     workspaces: int = 0  # cuBLAS workspaces live at the peak (in temp)
     rounding: int = 0  # what the caching allocator's 512-byte rounding adds at the peak (in the kinds)
@@ -160,17 +167,26 @@ class _PeakTracker(LiveTensorBytes):
         self.kinds = dict.fromkeys(KINDS, 0)
         self.peak_phase, self.peak_module = "setup", None
         self.watch: list[list[int]] = []  # [the most live since it began] per running module (forward)
+        # phase -> the most live in it: {"peak", "kinds", "raw", "workspaces", "module"} (Note [planning by depth])
+        self.phases: dict[str, dict] = {}
 
     def _update(self) -> None:
         current = self.current
         for frame in self.watch:
             frame[0] = max(frame[0], current)
+        in_backward = self.phase == "forward" and torch._C._current_graph_task_id() != -1
+        phase = "backward" if in_backward else self.phase
+        best = self.phases.get(phase)
+        if current <= self.peak and best is not None and current <= best["peak"]:
+            return
+        kinds, raw, workspaces = self._sort()
+        module = self.modules[-1] if self.modules else None
+        if best is None or current > best["peak"]:
+            self.phases[phase] = {"peak": current, "kinds": kinds, "raw": raw, "workspaces": workspaces,
+                                  "module": module}
         if current > self.peak:
-            self.peak = current
-            self._sort()
-            in_backward = torch._C._current_graph_task_id() != -1
-            self.peak_phase = "backward" if in_backward and self.phase == "forward" else self.phase
-            self.peak_module = self.modules[-1] if self.modules else None
+            self.peak, self.peak_phase, self.peak_module = current, phase, module
+            self.kinds, self.raw, self.workspaces = kinds, raw, workspaces
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.wait_tensor.default:
@@ -204,7 +220,8 @@ class _PeakTracker(LiveTensorBytes):
                         pass
         return out
 
-    def _sort(self) -> None:
+    def _sort(self) -> tuple[dict[str, int], int, int]:
+        """The live storages' bytes by kind, their bytes unrounded, the cuBLAS workspaces' bytes."""
         params = self._storages(self.model.parameters())
         grads = self._storages(p.grad for p in self.model.parameters() if p.grad is not None)
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
@@ -213,14 +230,14 @@ class _PeakTracker(LiveTensorBytes):
         opt |= self._storages(own.optimizer_tensors() if own is not None else [])
         workspaces = self._storages(self.cuda.workspaces.values()) if self.cuda is not None else set()
         kinds = dict.fromkeys(KINDS, 0)
-        self.raw, self.workspaces = 0, 0
+        raw, held = 0, 0
         for key, ref in self._refs.items():
             st = ref()
             if st is None:
                 continue
             n = self.size(st)
-            self.raw += st.nbytes()
-            self.workspaces += n if key in workspaces else 0
+            raw += st.nbytes()
+            held += n if key in workspaces else 0
             if key in params:
                 kinds["params"] += n
             elif key in grads:
@@ -231,7 +248,7 @@ class _PeakTracker(LiveTensorBytes):
                 kinds["activations"] += n
             else:
                 kinds["temp"] += n
-        self.kinds = kinds
+        return kinds, raw, held
 
     def pack(self, t: torch.Tensor):
         for p in plain_tensors(t):
@@ -306,9 +323,10 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
 
 
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False,
-              run_dir: str | None = None) -> RankPlan:
+              run_dir: str | None = None, depth: tuple[str, int] | None = None) -> RankPlan:
     """One training step of `rank`, under fake tensors and a fake process group (Note [planner]); for a CUDA
-    run, with what CUDA holds besides (Note [planning for CUDA] in parallel/planning/cuda.py)."""
+    run, with what CUDA holds besides (Note [planning for CUDA] in parallel/planning/cuda.py). `depth`: the
+    model's list of blocks and the blocks of it kept (Note [planning by depth])."""
     # The fake backend registers itself on import; it lives in torch's testing package (heavy: only here).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -319,6 +337,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         # built under the fake mode off meta fails), and the data (it reads values too).
         mesh = dims.build_mesh(device.type)
         model = build_meta_model(cfg.model)
+        if depth is not None:
+            cut(model, *depth)
         batch = batch_mesh(mesh)
         # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them) and
         # data=custom (zeros shaped as its first sample): the plan reads no dataset.
@@ -345,40 +365,48 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
             flops, comm, work = Flops(), CommBytes(), Work()
             counted = [_count_step(run, step, (flops, comm, work), by_module, account) for step in (1, 2)]
             tracker, modules = max(counted, key=lambda tm: tm[0].peak)
-            comm.bytes //= 2
-            comm.all_to_all //= 2
+            phases: dict[str, dict] = {}  # each phase's peak over the two steps
+            for t, _ in counted:
+                for name, row in t.phases.items():
+                    if name not in phases or row["peak"] > phases[name]["peak"]:
+                        phases[name] = row
             run.engine.close()
     finally:
         end_steps()  # the planned step's Loss must not weigh a later model's auxiliary terms
         dist.destroy_process_group()
-    return _rank_plan(rank, tracker, modules, flops, comm, work, ddp, io, account)
+    return _rank_plan(rank, tracker, modules, flops, comm, work, ddp, io, account, phases)
 
 
 def _rank_plan(rank: int, tracker, modules, flops, comm, work: Work, ddp: DDPStandIn, io: CountingIO,
-               cuda: CudaAccount | None) -> RankPlan:
+               cuda: CudaAccount | None, phases: dict[str, dict]) -> RankPlan:
     """The RankPlan of a planned role: its peak step's breakdown, DDP's buckets added, and the work of a step
     (the mean of the two planned)."""
-    k = tracker.kinds
+    k = dict(tracker.kinds)
     buckets = ddp.bucket_bytes()
     held = allocated(buckets) if cuda is not None else buckets
     k["grads"] += held
+
+    def peak_row(row: dict) -> dict:  # a phase's peak as the plan's fields say it
+        return {**row["kinds"], "grads": row["kinds"]["grads"] + held, "total": row["peak"] + held,
+                "workspaces": row["workspaces"], "module": row["module"],
+                "rounding": row["peak"] - row["raw"] + held - buckets if cuda is not None else 0}
+
     rows = [asdict(r) | {"total": r.total} for r in modules.table()] if modules is not None else []
     work.phase = "forward"  # DDP's copies run in the backward of each of the two steps counted
     for _ in range(2):
         ddp.copy_gradients(work)
-    step_work = work.as_dict(steps=2)
-    for nbytes, world in ddp.buckets():  # DDP's bucket all-reduces, one step's: issued from backward's hooks
-        row = step_work["comm"].setdefault(f"{BUCKET}/{world}", [0, 0])
-        row[0] += ddp_calls(nbytes)
-        row[1] += nbytes
+    tally = {"work": work.raw(), "buckets": [list(b) for b in ddp.buckets()], "flops": flops.total,
+             "ops": flops.ops, "comm": comm.bytes, "all_to_all": comm.all_to_all, "io": io.moved[0]}
+    step_work = step_work_of(work, ddp.buckets())
     return RankPlan(rank=rank, same_as=[], params=k["params"], grads=k["grads"], optimizer=k["optimizer"],
                     activations=k["activations"], temp=k["temp"], total=tracker.peak + held,
                     peak_phase=tracker.peak_phase, peak_module=tracker.peak_module, by_module=rows,
                     flops=flops.total // 2, ops=flops.ops // 2,
-                    comm_bytes=comm.bytes + sum(ring_all_reduce_bytes(b, w) for b, w in ddp.buckets()),
-                    all_to_all_bytes=comm.all_to_all, io_bytes=io.moved[0] // 2, work=step_work,
+                    comm_bytes=comm_bytes_of(comm.bytes // 2, ddp.buckets()), tally=tally,
+                    all_to_all_bytes=comm.all_to_all // 2, io_bytes=io.moved[0] // 2, work=step_work,
                     calls={key: [n / 2, f, moved] for key, (n, f, moved) in work.calls.items()},
                     workspaces=tracker.workspaces, host_pinned=io.pinned[1],
+                    phases={name: peak_row(row) for name, row in phases.items()},
                     rounding=tracker.peak - tracker.raw + held - buckets if cuda is not None else 0,
                     fp32_on_cuda={k: n // 2 for k, n in cuda.fp32_on_cuda.items()} if cuda is not None else {})
 
@@ -431,14 +459,29 @@ def _phased_step(run, told: list, step: int) -> None:
 
 
 def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan]:
-    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it)."""
+    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it).
+    A model of many blocks alike is traced at a few depths and its plan extended to its own (Note [planning
+    by depth]) unless `plan.every_block`."""
     dims = ParallelDims.of(cfg.strategy, world_size)
-    out = []
     with contextlib.ExitStack() as stack:
         # Offload makes its (here empty) directory in the run's.
         run_dir = cfg.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
-        for i, (rank, same) in enumerate(roles(dims)):
-            p = in_own_thread("plan-rank", plan_rank, cfg, dims, rank, by_module=by_module and i == 0, run_dir=run_dir)
-            p.same_as = same
-            out.append(p)
+        found = None if traced_whole(cfg, dims, by_module) else block_list(build_meta_model(cfg.model))
+        if found is not None:
+            parent, blocks = found
+            at = {d: _plan_roles(cfg, dims, run_dir, False, (parent, d)) for d in DEPTHS}
+            if (out := extend(at, len(blocks), parent)) is not None:
+                return out
+        return _plan_roles(cfg, dims, run_dir, by_module, None)
+
+
+
+def _plan_roles(cfg: Config, dims: ParallelDims, run_dir: str, by_module: bool,
+                depth: tuple[str, int] | None) -> list[RankPlan]:
+    out = []
+    for i, (rank, same) in enumerate(roles(dims)):
+        p = in_own_thread("plan-rank", plan_rank, cfg, dims, rank, by_module=by_module and i == 0,
+                          run_dir=run_dir, depth=depth)
+        p.same_as = same
+        out.append(p)
     return out

@@ -30,7 +30,7 @@ def report(cfg: Config, world: int, run_dir: str) -> None:
     cuda = cuda_run(cfg.trainer.device)
     _print_table(cfg, plans, world, cuda)
     record = {"world_size": world, "strategy": cfg.strategy.name, "device": "cuda" if cuda else "cpu", "ranks": [
-        {k: v for k, v in vars(p).items() if k not in ("by_module", "calls")} for p in plans]}
+        {k: v for k, v in vars(p).items() if k not in ("by_module", "calls", "tally")} for p in plans]}
     if cuda:
         record["cuda"] = _cuda_notes(cfg, plans)
     record["step_time"] = _step_time(cfg, plans, world, run_dir)  # auto's pick: its plan priced with auto's rates

@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parallel.flops import formula, local_call
-from parallel.planning.comm import _INPUTS, _NOT_SENT, _group, _kind
+from parallel.planning.comm import _INPUTS, _NOT_SENT, _group, _kind, ring_all_reduce_bytes
 
 SIZES = tuple(2 ** i for i in range(4, 13))  # the product size classes: 16 .. 4096
 MEMORY_SIZES = tuple(4096 * 16 ** i for i in range(5))  # the byte classes of other ops: 4 KiB .. 256 MiB
@@ -134,6 +134,9 @@ class Work(TorchDispatchMode):
         self.comm: dict[tuple[str, int], list[int]] = {}  # (kind, group size) -> [calls, bytes handed]
         # (op, its arguments' specs) -> [calls, FLOPs of one call, bytes of one]: what parallel.planning.cost replays
         self.calls: dict[tuple, list[int]] = {}
+        # (op, FLOPs, bytes moved) of each op outside forward and backward, in order: clipping's and the
+        # optimizer's, per parameter or (foreach) over every one (Note [planning by depth])
+        self.tail: list[tuple[str, int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -156,6 +159,8 @@ class Work(TorchDispatchMode):
             products, memory, ops = self.forward_backward
             ops[0] += 1
             _tally(products, memory, flops, moved)
+        elif flops or moved:
+            self.tail.append((func.__name__, flops, moved))
         try:
             key = (func, spec(args), spec(kwargs))
             hash(key)
@@ -184,6 +189,28 @@ class Work(TorchDispatchMode):
         row[0] += calls
         row[1] += nbytes
 
+    def raw(self) -> dict:
+        """The counts as tallied (of every step counted): what a plan extended by depth is rebuilt from."""
+        products, memory, ops = self.forward_backward
+        return {"forward_backward": [{k: list(v) for k, v in products.items()}, {k: list(v) for k, v in memory.items()},
+                                     ops[0]],
+                "tail": list(self.tail), "ops": self.ops, "dtensor_ops": self.dtensor_ops,
+                "comm": {k: list(v) for k, v in self.comm.items()}}
+
+    @classmethod
+    def of_raw(cls, raw: dict) -> "Work":
+        """A Work holding `raw`'s counts (Work.raw), its tail's ops tallied into their classes."""
+        w = cls()
+        products, memory, ops = raw["forward_backward"]
+        w.forward_backward = ({k: list(v) for k, v in products.items()}, {k: list(v) for k, v in memory.items()},
+                              [ops])
+        w.products, w.memory = {k: list(v) for k, v in products.items()}, {k: list(v) for k, v in memory.items()}
+        for _, flops, moved in raw["tail"]:
+            _tally(w.products, w.memory, flops, moved)
+        w.ops, w.dtensor_ops, w.tail = raw["ops"], raw["dtensor_ops"], list(raw["tail"])
+        w.comm = {k: list(v) for k, v in raw["comm"].items()}
+        return w
+
     def as_dict(self, steps: int = 1) -> dict:
         """The work of one step, of the `steps` counted (JSON: string keys)."""
         def per_step(rows: dict) -> dict:
@@ -195,3 +222,19 @@ class Work(TorchDispatchMode):
                 "forward_backward": {"products": per_step(products), "memory": per_step(memory),
                                      "ops": ops[0] // steps},
                 "comm": {f"{k}/{w}": [c // steps, b // steps] for (k, w), (c, b) in sorted(self.comm.items())}}
+
+
+def step_work_of(work: Work, buckets) -> dict:
+    """A step's work (the mean of the two planned) with DDP's bucket all-reduces, one step's: issued from
+    backward's hooks. `buckets`: (bytes, group size) per replicated model (DDPStandIn.buckets)."""
+    step_work = work.as_dict(steps=2)
+    for nbytes, world in buckets:
+        row = step_work["comm"].setdefault(f"{BUCKET}/{world}", [0, 0])
+        row[0] += ddp_calls(nbytes)
+        row[1] += nbytes
+    return step_work
+
+
+def comm_bytes_of(sent: int, buckets) -> int:
+    """What a step sends: its collectives' (`sent`, Note [comm bytes]) and DDP's bucket all-reduces'."""
+    return sent + sum(ring_all_reduce_bytes(b, w) for b, w in buckets)

@@ -1,0 +1,210 @@
+"""Blocks alike planned once: a deep model's plan from the same model at three small depths.
+
+# Note [planning by depth]
+A transformer's cost grows with its depth one block at a time: each block of a
+list of identical blocks adds the same parameters, gradients and optimizer
+state, the same saved activations, the same FLOPs, op calls and collectives.
+Tracing all of them (126 blocks of a 405B Llama, each a few hundred ops under
+five dispatch modes) is what made a deep model slow to plan, and nothing of
+the plan needs it. So the planner traces the model with its block list cut to
+DEPTHS (2, 3 and 4 blocks; the first and last block of a list are the ones a
+strategy treats apart: FSDP2 keeps the last block's gathered weights for
+backward, a pipeline's stages begin and end at blocks) and extends every
+count of the plan (each memory kind, the total, the step's work and
+collectives, by kind and size) along the line they draw. A count whose three
+values are not on one line, a key one depth has and another lacks, or a peak
+that moves to another phase means the model is not made of blocks alike in
+that respect: the model is then traced whole, as it is with
+`plan.every_block=true`. Exact where it applies: the planner's own cases give
+the same bytes both ways (tests/unit/test_plan_depth.py).
+
+The blocks are alike when they are one class and hold parameters and buffers
+of the same names, shapes and dtypes, and the same plain settings (ints,
+floats, strings, bools) but those that number the block (Hugging Face's
+`layer_idx`). Gemma's alternating sliding and full attention differ in a
+setting, and such a model is traced whole. Planned whole as well: a pipeline
+(its split follows the blocks' weight; a stage role per stage), a model with
+more than one list of blocks (an encoder and a decoder), `plan.by_module`
+(its table names every block).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from parallel.blocks import LISTS, repeated_blocks
+from parallel.config import cuda_run
+from parallel.planning.work import Work, comm_bytes_of, step_work_of
+
+if TYPE_CHECKING:
+    from parallel.config import Config
+    from parallel.dims import ParallelDims
+
+DEPTHS = (2, 3, 4)
+
+
+def traced_whole(cfg: "Config", dims: "ParallelDims", by_module: bool) -> bool:
+    """Whether a plan traces every block (Note [planning by depth]): asked to; a pipeline; ZeRO-1 (whole
+    parameters handed to ranks by size: a partition that does not grow block by block); a step whose op calls
+    are replayed here, each to the call (a CPU run, or a CUDA one on a GPU host: Note [cost model]), which
+    the calls over every parameter (clipping's, a foreach optimizer's) are not at another depth."""
+    replayed = not cuda_run(cfg.trainer.device) or torch.cuda.is_available()
+    return by_module or cfg.plan.every_block or dims.pp > 1 or getattr(cfg.strategy, "zero", 0) == 1 or replayed
+
+
+def block_list(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The name and module of `model`'s one list of blocks alike (Note [planning by depth]), or None."""
+    names = repeated_blocks(model)
+    parents = {name.rpartition(".")[0] for name in names}
+    if len(parents) != 1:
+        return None
+    parent = parents.pop()
+    blocks = model.get_submodule(parent)
+    children = list(blocks.children())
+    if len(children) <= DEPTHS[-1]:
+        return None
+    signatures = [_signature(m) for m in children]
+    if len({(kind, tensors) for kind, tensors, _ in signatures}) != 1:
+        return None
+    settings = [dict(s) for _, _, s in signatures]
+    for key in set().union(*settings):
+        values = [s.get(key) for s in settings]
+        if len(set(values)) > 1 and values != list(range(len(children))):  # one that numbers the blocks may differ
+            return None
+    return parent, blocks
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What two blocks alike share: class, parameter and buffer shapes, plain settings (Note [planning by depth])."""
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()) + \
+        tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers())
+    settings = tuple(((name, key), value) for name, m in block.named_modules() for key, value in sorted(vars(m).items())
+                     if not key.startswith("_") and isinstance(value, (bool, int, float, str)))
+    return type(block), tensors, settings
+
+
+def cut(model: nn.Module, parent: str, depth: int) -> None:
+    """`model` with its list of blocks `parent` cut to its first `depth` blocks, in place."""
+    owner_name, _, attr = parent.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    blocks = owner.get_submodule(attr)
+    items = list(blocks.named_children())[:depth]
+    if isinstance(blocks, nn.ModuleDict):
+        shorter = nn.ModuleDict(items)
+    elif isinstance(blocks, nn.Sequential):
+        shorter = nn.Sequential(dict(items))
+    else:
+        shorter = nn.ModuleList(m for _, m in items)
+    assert isinstance(blocks, LISTS)
+    setattr(owner, attr, shorter)
+
+
+def extend(plans: dict[int, list], depth: int, parent: str) -> list | None:
+    """The plans at `depth` blocks from `plans` (depth -> a RankPlan per role, traced at DEPTHS), each count on
+    the line of its three values; None where one is not (Note [planning by depth]). They carry no op calls
+    (no step of them is replayed)."""
+    a, b, c = (plans[d] for d in DEPTHS)
+    if not len(a) == len(b) == len(c):
+        return None
+    out, steps = [], depth - DEPTHS[-1]
+    for pa, pb, pc in zip(a, b, c):
+        # the counts as tallied (both steps), exact; what is derived from them is derived again
+        tails = [p.tally["work"]["tail"] for p in (pa, pb, pc)]
+        tally = _line(*({**p.tally, "work": {**p.tally["work"], "tail": []}} for p in (pa, pb, pc)), steps, exact=True)
+        tail = _tail(*tails, steps)
+        if tally is _OFF or tail is None:
+            return None
+        tally["work"]["tail"] = tail
+        buckets = [tuple(row) for row in tally["buckets"]]
+        # each phase's peak on its line; the largest is the step's (the peak may move to another phase)
+        names = {name: None for name in pc.phases}
+        phases = _line(*({name: {k: v for k, v in p.phases[name].items() if k != "module"} for name in names}
+                         if p.phases.keys() == names.keys() else None for p in (pa, pb, pc)), steps, exact=True)
+        if phases is _OFF or not phases:
+            return None
+        peak_phase = max(phases, key=lambda name: phases[name]["total"])
+        for name, row in phases.items():
+            row["module"] = _renamed(pc.phases[name]["module"], parent, depth)
+        peak = phases[peak_phase]
+        values = {"tally": tally, "work": step_work_of(Work.of_raw(tally["work"]), buckets), "phases": phases,
+                  **{k: peak[k] for k in EXACT if k in peak},
+                  "comm_bytes": comm_bytes_of(tally["comm"] // 2, buckets), "flops": tally["flops"] // 2,
+                  "ops": tally["ops"] // 2, "all_to_all_bytes": tally["all_to_all"] // 2,
+                  "io_bytes": tally["io"] // 2, "calls": {}}
+        for f in fields(pc):
+            if f.name in values or f.name in ("rank", "same_as", "peak_phase", "peak_module", "by_module"):
+                continue
+            v = _line(getattr(pa, f.name), getattr(pb, f.name), getattr(pc, f.name), steps,
+                      exact=f.name in EXACT or f.name == "host_pinned")
+            if v is _OFF:
+                return None
+            values[f.name] = v
+        out.append(type(pc)(rank=pc.rank, same_as=pc.same_as, peak_phase=peak_phase, peak_module=peak["module"],
+                            by_module=[], **values))
+    return out
+
+
+def _renamed(module: str | None, parent: str, depth: int) -> str | None:
+    """A module of the last block traced named as in the last block of `depth`."""
+    last = f"{parent}.{DEPTHS[-1] - 1}"
+    if module is not None and (module == last or module.startswith(last + ".")):
+        return f"{parent}.{depth - 1}" + module[len(last):]
+    return module
+
+
+def _tail(a: list, b: list, c: list, steps: int) -> list | None:
+    """The ops outside forward and backward at `steps` more blocks, each (op, FLOPs, bytes): an op per parameter
+    (a loop over the parameters) the more often, one op over every parameter (foreach) the larger; None where
+    the three depths' ops draw no such lines."""
+    from collections import Counter
+
+    counts = [Counter(t) for t in (a, b, c)]
+    common = set(counts[0]) & set(counts[1]) & set(counts[2])
+    out = []
+    for op in sorted(common):
+        n = _line(*(k[op] for k in counts), steps, exact=True)
+        if n is _OFF or n < 0:
+            return None
+        out += [op] * n
+    rest = [[op for op in t if op not in common] for t in (a, b, c)]
+    if not len(rest[0]) == len(rest[1]) == len(rest[2]):
+        return None
+    for ops in zip(*rest):  # in order: one op's calls whose sizes follow the model's (a foreach op's)
+        if len({name for name, _, _ in ops}) != 1:
+            return None
+        sizes = _line(*(op[1:] for op in ops), steps, exact=True)
+        if sizes is _OFF:
+            return None
+        out.append((ops[0][0], *sizes))
+    return out
+
+
+_OFF = object()
+# bytes held at the peak: on their line to the byte
+EXACT = {"params", "grads", "optimizer", "activations", "temp", "total", "workspaces", "rounding"}
+
+
+def _line(a, b, c, steps: int, exact: bool = False):
+    """c extended by `steps` more blocks along the line a, b, c draw; _OFF if they draw none. Counts of one
+    step are the mean of the two steps planned (halved, rounded down): a second difference of 1 is that."""
+    if isinstance(a, dict):
+        if not (isinstance(b, dict) and isinstance(c, dict) and a.keys() == b.keys() == c.keys()):
+            return _OFF
+        out = {k: _line(a[k], b[k], c[k], steps, exact) for k in c}
+        return _OFF if any(v is _OFF for v in out.values()) else out
+    if isinstance(a, (list, tuple)):
+        if not (isinstance(b, (list, tuple)) and isinstance(c, (list, tuple)) and len(a) == len(b) == len(c)):
+            return _OFF
+        out = [_line(x, y, z, steps, exact) for x, y, z in zip(a, b, c)]
+        return _OFF if any(v is _OFF for v in out) else type(c)(out)
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or \
+            not isinstance(c, (int, float)):
+        return c if a == b == c else _OFF
+    step = c - b
+    if isinstance(a, int) and isinstance(b, int) and isinstance(c, int):
+        return c + steps * step if abs(step - (b - a)) <= (0 if exact else 1) else _OFF
+    return c + steps * step if math.isclose(step, b - a, rel_tol=1e-6, abs_tol=1e-9) else _OFF
