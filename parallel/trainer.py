@@ -23,7 +23,6 @@ from parallel.data import DataSource, build_data, build_eval_data
 from parallel.dims import ParallelDims, batch_mesh, set_collective_timeout
 from parallel.engine import Engine, LooksAhead, looks_ahead, own_optimizer
 from parallel.init import ByName, InitPlan, init_plan
-from parallel.loss import end_steps
 from parallel.lr_schedule import build_scheduler
 from parallel.memory.oom import out_of_memory
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss, progress_bar
@@ -67,7 +66,6 @@ class Run:
 
     def close(self) -> None:
         """Release the engine's threads and files and the data's readers (also when the run failed)."""
-        end_steps()
         self.engine.close()
         self.data.close()
         if self.compile_clock is not None:

@@ -87,7 +87,6 @@ from parallel.dims import ParallelDims, batch_mesh
 from parallel.engine import own_optimizer
 from parallel.flops import Flops
 from parallel.init import Blank
-from parallel.loss import end_steps
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
 from parallel.planning.comm import CommBytes, ring_all_reduce_bytes
@@ -349,7 +348,6 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
             comm.all_to_all //= 2
             run.engine.close()
     finally:
-        end_steps()  # the planned step's Loss must not weigh a later model's auxiliary terms
         dist.destroy_process_group()
     return _rank_plan(rank, tracker, modules, flops, comm, work, ddp, io, account)
 
