@@ -305,7 +305,7 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
 
 
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False,
-              run_dir: str | None = None) -> RankPlan:
+              run_dir: str | None = None, data=None) -> RankPlan:
     """One training step of `rank`, under fake tensors and a fake process group (Note [planner]); for a CUDA
     run, with what CUDA holds besides (Note [planning for CUDA] in parallel/planning/cuda.py)."""
     # The fake backend registers itself on import; it lives in torch's testing package (heavy: only here).
@@ -321,8 +321,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         batch = batch_mesh(mesh)
         # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them) and
         # data=custom (zeros shaped as its first sample): the plan reads no dataset.
-        data = planned_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, batch.get_local_rank(),
-                            batch.size())
+        source = planned_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, batch.get_local_rank(),
+                              batch.size(), spec=data)
         ddp, io = DDPStandIn(), CountingIO()
         runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
                           executor=lambda workers, name: InlineExecutor(watched=cuda), replicate=ddp.replicate,
@@ -330,12 +330,13 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                           values=Blank(),  # fake tensors hold no values
                           compile=False,  # planned as the eager run: Note [regional compilation]
                           target=torch.device("cuda") if cuda else None,
-                          run_dir=None if run_dir is None else Path(run_dir))  # offload makes its directory there
+                          run_dir=None if run_dir is None else Path(run_dir),  # offload makes its directory there
+                          data=data)
         settle_autograd_threads()  # before the step's backward on fake tensors: Note [autograd threads and fork]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         account = CudaAccount(fake, cublas_workspace()[0]) if cuda else None
         with fake, ShapeValues(fake), static_pipeline_warmup(), sends_held_by_their_works(), meshes_outside_fake():
-            run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=data)
+            run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=source)
             if cuda:
                 foreach_as_on_cuda(run.optimizer, rank_optimizer(run.optimizer))
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
@@ -428,15 +429,17 @@ def _phased_step(run, told: list, step: int) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan]:
-    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it)."""
+def plan(cfg: Config, world_size: int, by_module: bool = False, data=None) -> list[RankPlan]:
+    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it);
+    `data`: what was read from the data (parallel.data.spec.DataSpec; None: nothing read)."""
     dims = ParallelDims.of(cfg.strategy, world_size)
     out = []
     with contextlib.ExitStack() as stack:
         # Offload makes its (here empty) directory in the run's.
         run_dir = cfg.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
         for i, (rank, same) in enumerate(roles(dims)):
-            p = in_own_thread("plan-rank", plan_rank, cfg, dims, rank, by_module=by_module and i == 0, run_dir=run_dir)
+            p = in_own_thread("plan-rank", plan_rank, cfg, dims, rank, by_module=by_module and i == 0, run_dir=run_dir,
+                              data=data)
             p.same_as = same
             out.append(p)
     return out

@@ -307,7 +307,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
 
 def build_offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
     """strategy=offload: this process's engine, the model streamed block by block (Note [offload engine])."""
-    names, _ = candidates(model, *as_call(example_input(cfg.data)))
+    names, _ = candidates(model, *as_call(example_input(cfg.data, spec=runtime.data)))
     if runtime.run_dir is None and cfg.strategy.path is None:
         raise ValueError("strategy=offload keeps its disk tier in the run directory (Runtime.run_dir) or in "
                          "strategy.path; this build has neither")

@@ -63,7 +63,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
     swap = (transform or compiles) and own_blocks(model, split.blocks)  # Note [own or traced blocks]
     stages, modules, tied = build_stages(
         split, mesh, runtime, plan, compute_time, schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank),
-        example_microbatch(cfg, dp), bf16=bf16_run(cfg), recompute=recomputing(cfg), compiles=compiles,
+        example_microbatch(cfg, dp, runtime.data), bf16=bf16_run(cfg), recompute=recomputing(cfg), compiles=compiles,
         model=model if swap else None, transform=transform, shape_transform=shape_transform)
     groups: dict[str, list[str]] = {}
     for name, entry in plan.items():
