@@ -25,7 +25,7 @@ from omegaconf import DictConfig  # noqa: E402
 from parallel.config import ConfigError, positive  # noqa: E402
 from parallel.entry import check_choices, reported  # noqa: E402
 from parallel.planning.report import report  # noqa: E402
-from parallel.validate import to_config, validate  # noqa: E402
+from parallel.validate import to_config_with_data, validate  # noqa: E402
 
 
 def _refuse_world_size(argv: list[str]) -> None:
@@ -40,17 +40,17 @@ def _refuse_world_size(argv: list[str]) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 @reported
 def main(dcfg: DictConfig) -> None:
-    cfg = to_config(dcfg)
+    cfg, data = to_config_with_data(dcfg)
     if cfg.nproc is not None:
         positive("nproc", cfg.nproc)
     world = cfg.nproc or 1
     if cfg.plan.top < 1:
         raise ConfigError(f"plan.top={cfg.plan.top}: must be an integer >= 1 (the rows plan.by_module prints)")
     cfg.nproc = None
-    validate(cfg, world)
+    validate(cfg, world, data)
     # As train.py's: run_dir, else Hydra's (hydra.run.dir, or its dated default); fixed before planning.
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
-    report(cfg, world, run_dir)
+    report(cfg, world, run_dir, data)
 
 
 def _run() -> None:

@@ -34,7 +34,7 @@ from parallel.launcher import (  # noqa: E402
 from parallel.models.build import build_meta_model  # noqa: E402
 from parallel.models.weights import check_init_memory  # noqa: E402
 from parallel.planning.auto import chart, choose, device_budget, table  # noqa: E402
-from parallel.validate import to_config, validate  # noqa: E402
+from parallel.validate import to_config_with_data, validate  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -44,35 +44,36 @@ def main(dcfg: DictConfig) -> None:
     if started_by is None and in_submitit_job():
         join_submitit_job()  # each task of the job is one worker
         started_by = "the SLURM job"
-    cfg = to_config(dcfg)
+    cfg, data = to_config_with_data(dcfg)
     world = check_world_size(cfg.nproc, started_by)
     check_gpus(cfg.trainer.device, local_processes(world, started_by), started_by)  # a GPU for each process
-    validate(cfg, world)
+    validate(cfg, world, data)
     check_init_memory(cfg.model, build_meta_model(cfg.model))  # this host's memory: a run's check, not a plan's
-    # Workers get the validated config with derived values filled in (degrees, microbatches).
-    cfg_dict = to_dict(cfg)
+    # Workers get the validated config with derived values filled in (degrees, microbatches), and beside it
+    # what was read from the data (Note [data spec] in parallel/data/spec.py).
+    cfg_dict, data_dict = to_dict(cfg), data.to_dict()
     run_dir = cfg.run_dir or HydraConfig.get().runtime.output_dir
     if started_by == "torchrun":
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             raise ConfigError("-m (a sweep) under torchrun: each job of a sweep starts its own workers; run "
                               f"`python launch/train.py -m nproc={world} ...` instead")
-        worker(cfg_dict, None, proposed=run_dir)  # rank 0's wins (Note [one run directory])
+        worker(cfg_dict, None, proposed=run_dir, data=data_dict)  # rank 0's wins (Note [one run directory])
         return
     if strategy_spec(cfg.strategy.name).chooses:  # strategy=auto (Note [strategy table])
-        cfg_dict = _choose(cfg, world, run_dir, started_by)
+        cfg_dict = _choose(cfg, data, world, run_dir, started_by)
     if started_by is not None:
-        worker(cfg_dict, run_dir)  # every task of the job has the same Hydra job directory
+        worker(cfg_dict, run_dir, data=data_dict)  # every task of the job has the same Hydra job directory
         return
-    launch(cfg_dict, run_dir, world)
+    launch(cfg_dict, run_dir, world, data_dict)
 
 
-def _choose(cfg, world: int, run_dir: str, started_by: str | None) -> dict:
+def _choose(cfg, data, world: int, run_dir: str, started_by: str | None) -> dict:
     """strategy=auto: plan the candidates, print them ranked, keep the fastest that fits (parallel.planning.auto)."""
     if started_by is not None:
         raise ConfigError(f"strategy='auto': chooses before the workers start, and {started_by} has started "
                           f"them; run `python launch/train.py strategy=auto nproc={world} ...` (or "
                           f"launch/plan.py) once and start {started_by} with the strategy it picks")
-    chosen, found = choose(cfg, world, Path(run_dir))
+    chosen, found = choose(cfg, world, Path(run_dir), data=data)
     budget = device_budget(cfg, world)
     print(table(found, f"budget {budget / 1e6:.2f} MB per rank"))
     picked = next(c for c in found if c.dropped is None)

@@ -177,10 +177,8 @@ class DataConfig:
     # held out (never trained on).
     eval: Dict[str, Any] = field(default_factory=dict)
     eval_fraction: float = 0.0
-    # Set before the workers start from the first sample of data=custom (not a user setting): {input:
-    # {dtype, shape}, target: {dtype, shape}} of one sample, iterable, samples (the count; None: a stream),
-    # shards (a stream's shard count, 1: read whole; None: map-style).
-    spec: Dict[str, Any] = field(default_factory=dict)
+    # The shapes and dtypes of data=custom's fields, and its size, are what validation read from its first
+    # sample, not settings: parallel.data.spec.DataSpec, carried to the workers beside this config.
 
 
 @dataclass

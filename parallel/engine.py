@@ -23,6 +23,10 @@ stays in the strategy. What every engine does:
     full_state_dict      the unpartitioned weights, gathered on rank 0
     close                release threads, files and buffers (also when the run fails)
 
+Before a step's first forward, forward_backward counts the step's targets (`Loss.start_step`) and hands the
+step's auxiliary weight to the layers it runs that take one (`AuxWeights`, Note [auxiliary weight] in
+parallel/aux_weight.py).
+
 What only some engines have is a capability, a class of its own the trainer
 asks for once, when it builds the run (`isinstance`):
 
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from parallel.aux_weight import AuxWeights
 from parallel.config import Config, bf16_run
 from parallel.loss import Loss
 from parallel.optim import clip_grad_norm, param_state
@@ -197,6 +202,7 @@ class LocalEngine(Engine):
                  state_sharding=None):
         self.model, self.cfg, self.loss, self.loss_group, self.device = model, cfg, loss, loss_group, device
         self.sequence, self.state_sharding = sequence, state_sharding
+        self.aux = AuxWeights([model])  # Note [auxiliary weight] in parallel/aux_weight.py
 
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (x, y) if self.sequence is None else (self.sequence.shard(x), self.sequence.shard(y))
@@ -211,6 +217,7 @@ class LocalEngine(Engine):
         scale = grad_average(self.loss_group)
         x, y = self._local(x, y)
         self.loss.start_step(y, self.loss_group, scale)
+        self.aux.set(self.loss.aux_weight)
         total = torch.zeros((), device=y.device)
         for i, (xs, ys) in enumerate(zip(split_rows(x, accum), y.chunk(accum))):
             # Gradients are reduced across data-parallel ranks only on the last micro-step.

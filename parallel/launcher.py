@@ -41,6 +41,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from parallel import preemption
 from parallel.config import ConfigError, from_dict
+from parallel.data import DataSpec
 from parallel.dims import device_for_rank
 from parallel.export import export_finished_run
 from parallel.hardware import worker_threads
@@ -73,13 +74,15 @@ def join_submitit_job() -> None:
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
+def launch(cfg_dict: dict, run_dir: str, nproc: int, data: dict | None = None) -> None:
     """Run `nproc` workers on this machine and wait; a failed worker ends the run.
 
     Args:
         cfg_dict: the resolved, validated config as a plain dict (it crosses process boundaries).
         run_dir: the run directory, fixed before the workers start.
         nproc: how many workers.
+        data: what validation read from the data, beside the config (a DataSpec's `to_dict`, Note [data spec]
+            in parallel/data/spec.py); None: nothing read.
     Raises:
         WorkerFailed: naming the first failed rank and its error.
         Reported: workers ran out of GPU memory and said so, one line each (Note [out of memory]).
@@ -89,16 +92,16 @@ def launch(cfg_dict: dict, run_dir: str, nproc: int) -> None:
     """
     try:
         if nproc == 1:
-            _work(cfg_dict, run_dir, single_process=True)
+            _work(cfg_dict, run_dir, single_process=True, data=data)
         else:
-            _start_workers(cfg_dict, run_dir, nproc)
+            _start_workers(cfg_dict, run_dir, nproc, data)
     except (KeyboardInterrupt, SignalException) as e:  # every worker has stopped
         name = getattr(getattr(e, "sigval", None), "name", "SIGINT")
         raise Interrupted(f"interrupted ({name}): every worker stopped; checkpoints complete so far are in "
                           f"{run_dir}") from None
 
 
-def _start_workers(cfg_dict: dict, run_dir: str, nproc: int) -> None:
+def _start_workers(cfg_dict: dict, run_dir: str, nproc: int, data: dict | None) -> None:
     """`nproc` worker processes through PyTorch's elastic launch API (torchrun's own), waited for.
 
     Without a GPU the workers are forked from this process, which has torch and the framework imported: a
@@ -126,7 +129,7 @@ def _start_workers(cfg_dict: dict, run_dir: str, nproc: int) -> None:
     agent_log.setLevel(logging.CRITICAL)
     try:
         with preemption.forwarding() as forwarded:
-            elastic_launch(config, entrypoint=entrypoint)(cfg_dict, run_dir)
+            elastic_launch(config, entrypoint=entrypoint)(cfg_dict, run_dir, None, data)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         if preemption.all_preempted(codes):
@@ -208,16 +211,17 @@ def _failure_message(failure) -> str:
 
 
 @record
-def worker(cfg_dict: dict, run_dir: str | None, proposed: str | None = None) -> None:
+def worker(cfg_dict: dict, run_dir: str | None, proposed: str | None = None, data: dict | None = None) -> None:
     """The entry point of one worker process (spawned by `launch`, or run by torchrun).
 
     Args:
         run_dir: the run directory, fixed before the workers started; None: the workers agree on one, rank 0's
             `proposed` directory (Note [one run directory]).
+        data: what validation read from the data, as `launch` takes it.
     """
     signal.signal(signal.SIGINT, _interrupted)
     try:
-        _work(cfg_dict, run_dir, single_process=False, proposed=proposed)
+        _work(cfg_dict, run_dir, single_process=False, proposed=proposed, data=data)
     except preemption.Preempted:  # rank 0 said so in the log (and requeued the job when asked)
         sys.exit(preemption.PREEMPTED)
     except KeyboardInterrupt:
@@ -273,10 +277,12 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
-def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: str | None = None) -> None:
+def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: str | None = None,
+          data: dict | None = None) -> None:
     """One worker: device, process group, the run directory agreed on, then the trainer's run; then, on rank 0,
     the export (trainer.export)."""
     cfg = from_dict(cfg_dict)  # resolved and validated before the workers started
+    spec = None if data is None else DataSpec.from_dict(data)  # read from the data then (Note [data spec])
     gc.freeze()  # Note [the collector in a worker]
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = device_for_rank(cfg.trainer.device, local_rank)
@@ -306,7 +312,7 @@ def _work(cfg_dict: dict, run_dir: str | None, single_process: bool, proposed: s
             if cfg.memory.fraction is not None and device.type != "cuda":
                 log.warning("memory.fraction=%s has no effect on the CPU", cfg.memory.fraction)
             _warn_shared_store()
-            run_training(cfg, run_dir, device)
+            run_training(cfg, run_dir, device, spec)
     except AgreedStop as e:  # a non-finite step (Note [non-finite steps]), ...: one line, before any rank ends
         if e.says:
             print(f"error: {e}", file=sys.stderr, flush=True)

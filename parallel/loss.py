@@ -38,7 +38,6 @@ counts of all its batches and divides once (`Loss.score`).
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 
 import torch
@@ -113,26 +112,6 @@ def resolve_loss_fn(c: LossConfig):
     return fn
 
 
-# The loss whose step is being trained, weakly (Note [auxiliary loss] in parallel/models/moe.py): set by
-# `Loss.start_step`, which every engine calls before its first forward; forgotten when its run or plan ends
-# (`end_steps`).
-_stepping: list = [None]
-
-
-def end_steps() -> None:
-    """Forget the stepping loss: a run (or a plan) has ended. Its Loss may outlive it in a reference cycle
-    until the collector runs, and a model trained afterwards in the same process (a user's own loop after a
-    plan) must not take its weight."""
-    _stepping[0] = None
-
-
-def aux_sample_weight() -> float | None:
-    """What one sample's auxiliary term is multiplied by in backward this step, as the main loss's terms are
-    (Note [global loss]): the gradient-averaging scale over the global batch's samples; None outside a run."""
-    loss = _stepping[0]() if _stepping[0] is not None else None
-    return None if loss is None else loss.aux_weight
-
-
 class Loss:
     """The run's loss (Note [global loss]).
 
@@ -150,7 +129,9 @@ class Loss:
         self.scale = 1  # what each contribution is multiplied by in backward: the gradient-averaging degree
         self._total: torch.Tensor | None = None  # N of the step being trained (`total`)
         self._summing = None  # the all-reduce of this step's count, while it runs beside the forward
-        self.aux_weight: float | None = None  # one sample's auxiliary term's weight in this step (aux_sample_weight)
+        # One sequence's auxiliary term's weight in this step, which the engine hands to the layers that add one
+        # (Note [auxiliary weight] in parallel/aux_weight.py); None before the first step.
+        self.aux_weight: float | None = None
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         """Counted targets in `targets` (int64): integer ones not equal to ignore_index; float ones all."""
@@ -183,8 +164,7 @@ class Loss:
                 # it, so the count costs a step no more than the forward's time does.
                 self._summing = dist.all_reduce(total, group=group, async_op=True)
         self._total = total if self._summing is not None else total.clamp(min=1)
-        self.aux_weight = scale / (targets.shape[0] * size)
-        _stepping[0] = weakref.ref(self)
+        self.aux_weight = scale / (targets.shape[0] * size)  # the gradient-averaging scale over the samples
 
     @property
     def total(self) -> torch.Tensor | None:

@@ -4,7 +4,7 @@
 A strategy builds this rank's engine from the model, the mesh and the config;
 everything else it needs from outside (the device; how ranks agree on a value;
 whether stage shapes are known up front; threads; how a model is replicated by
-DDP; the offload tiers' I/O) comes in through one `Runtime`. A worker uses the
+DDP; the offload tiers' I/O; what validation read from the data) comes in through one `Runtime`. A worker uses the
 defaults, which are the real things. The planner (parallel.planning.planner) runs the
 same code on fake tensors and a fake process group, where values cannot be read,
 exchanged or written to disk, and passes stand-ins instead: nothing of the
@@ -57,6 +57,9 @@ class Runtime:
         run_dir: the run directory, the same on every rank: rank 0 hands the model's own initial values over
             in a file there (Note [initial values]) and offload keeps its disk tier there unless strategy.path
             says otherwise; None: no directory (values by name; a strategy that needs one says so).
+        data: what validation read from the data (a parallel.data.spec.DataSpec: data=custom's fields, Note
+            [data spec]), which the data source and the example inputs are shaped by; None: nothing read
+            (synthetic data, shards).
     """
 
     device: torch.device = torch.device("cpu")
@@ -72,3 +75,4 @@ class Runtime:
     compile: bool = True
     target: torch.device | None = None
     run_dir: Path | None = None
+    data: Any = None

@@ -59,15 +59,18 @@ class Throughput:
         self.world_size, self.peak, self.predicted = world_size, peak, predicted
 
     @classmethod
-    def start(cls, cfg: Config, device: torch.device, is_logger: bool, run_dir: Path | None = None) -> Throughput:
+    def start(cls, cfg: Config, device: torch.device, is_logger: bool, run_dir: Path | None = None,
+              data=None) -> Throughput:
         """Count the model's FLOPs and find the device's peak (logged once), and read the step time strategy=auto
-        predicted for the run it started in `run_dir` (`auto_prediction`); an empty one off the logging rank."""
+        predicted for the run it started in `run_dir` (`auto_prediction`); an empty one off the logging rank.
+        `data`: what was read from the data (parallel.data.spec.DataSpec), which the batch is shaped by."""
         if not is_logger:
             return cls()
         world = dist.get_world_size() if dist.is_initialized() else 1
         # An LM batch is token ids, (batch, sequence): its elements are the tokens.
-        tokens = main_field(example_input(cfg.data, cfg.trainer.batch_size)).numel() if cfg.data.task == "lm" else None
-        flops = model_flops(cfg)
+        x = example_input(cfg.data, cfg.trainer.batch_size, spec=data)
+        tokens = main_field(x).numel() if cfg.data.task == "lm" else None
+        flops = model_flops(cfg, data)
         peak, source = device_peak(cfg, device)
         log.info("throughput: %s; device peak %s", "model FLOPs not counted" if flops is None else
                  f"{flops:.4g} model FLOPs per step (forward + backward of the global batch)",
@@ -121,11 +124,12 @@ def postfix(record: dict) -> dict:
     return out
 
 
-def model_flops(cfg: Config) -> int | None:
-    """Model FLOPs of a forward and backward over one global batch (Note [throughput]); None, with a warning,
-    for a model that cannot run on meta or fake tensors (one that reads its input's values)."""
+def model_flops(cfg: Config, data=None) -> int | None:
+    """Model FLOPs of a forward and backward over one global batch (Note [throughput]; `data`: the DataSpec it
+    is shaped by); None, with a warning, for a model that cannot run on meta or fake tensors (one that reads
+    its input's values)."""
     model = build_meta_model(cfg.model).train()
-    x = example_input(cfg.data, cfg.trainer.batch_size)
+    x = example_input(cfg.data, cfg.trainer.batch_size, spec=data)
     try:
         return _counted(model, x)
     except Exception:  # noqa: BLE001 - meta tensors hold no values: retried as fake ones below

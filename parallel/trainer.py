@@ -23,7 +23,6 @@ from parallel.data import DataSource, build_data, build_eval_data
 from parallel.dims import ParallelDims, batch_mesh, set_collective_timeout
 from parallel.engine import Engine, LooksAhead, looks_ahead, own_optimizer
 from parallel.init import ByName, InitPlan, init_plan
-from parallel.loss import end_steps
 from parallel.lr_schedule import build_scheduler
 from parallel.memory.oom import out_of_memory
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss, progress_bar
@@ -60,6 +59,7 @@ class Run:
     eval_data: DataSource | None = None  # with trainer.eval_every (Note [evaluation] in parallel/evaluation.py)
     compile_clock: CompileClock | None = None  # with trainer.compile (Note [regional compilation])
     tp_group: object = None  # tp > 1: checked at the first step (Note [weights left whole]), then None
+    data_spec: object = None  # what validation read from the data (Note [data spec] in parallel/data/spec.py)
 
     def canonical(self) -> dict[str, str]:
         """Every parameter name -> the name its optimizer state is saved under (a tied weight's first)."""
@@ -67,7 +67,6 @@ class Run:
 
     def close(self) -> None:
         """Release the engine's threads and files and the data's readers (also when the run failed)."""
-        end_steps()
         self.engine.close()
         self.data.close()
         if self.compile_clock is not None:
@@ -107,7 +106,7 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     batch = batch_mesh(mesh)
     dp_rank, dp_size = batch.get_local_rank(), batch.size()
     if data is None:
-        data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size)
+        data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size, spec=runtime.data)
     # The loss lives where the engine computes it; one such rank logs (dp, ep, cp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and all(mesh[k].get_local_rank() == 0 for k in ("cp", "tp"))
     rng_seed = stream_seed(cfg.trainer.seed, dp_rank, mesh["pp"].get_local_rank())
@@ -117,22 +116,23 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
     return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
                rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock, ahead=looks_ahead(engine),
-               tp_group=tp_group)
+               tp_group=tp_group, data_spec=runtime.data)
 
 
-def run_training(cfg: Config, run_dir: Path, device: torch.device) -> None:
+def run_training(cfg: Config, run_dir: Path, device: torch.device, data=None) -> None:
     """Build this worker's part of the run, resume it when asked, train, save the final weights, close.
 
     Args:
         cfg: the resolved, validated config (parallel.validate).
         run_dir: the run directory, the same on every rank.
         device: this worker's device.
+        data: what validation read from the data (a parallel.data.spec.DataSpec; None: nothing read).
     """
     world = dist.get_world_size()
     dims = ParallelDims.of(cfg.strategy, world)
     mesh = dims.build_mesh(device.type)
     set_collective_timeout(cfg.trainer.init_timeout_s)  # the mesh's groups too (Note [two timeouts])
-    run = build_run(cfg, dims, Runtime(device=device, run_dir=run_dir), mesh=mesh)
+    run = build_run(cfg, dims, Runtime(device=device, run_dir=run_dir, data=data), mesh=mesh)
     set_collective_timeout(cfg.trainer.init_timeout_s)  # and those the strategy made (a pipeline's)
     weights.done(run_dir)
     console_on(run.is_logger)
@@ -212,7 +212,8 @@ def train(cfg: Config, run: Run, run_dir: Path, start: int = 0) -> list[float]:
     checkpoints = checkpoint.Checkpointer(cfg, run_dir)
     memory = PeakMemory(run.device)
     profiling = Profiling(t, run_dir, run.device)  # trainer.profile, trainer.memory_snapshot
-    speed = Throughput.start(cfg, run.device, run.is_logger, run_dir)  # Note [throughput] in parallel/throughput.py
+    # Note [throughput] in parallel/throughput.py
+    speed = Throughput.start(cfg, run.device, run.is_logger, run_dir, run.data_spec)
     guard = Guard(t, run_dir)  # Note [non-finite steps] in parallel/nonfinite.py
     bar = progress_bar(t.steps, start, run.is_logger and t.progress)
     # Everything built so far (the model, Hydra, TensorBoard) lives for the whole

@@ -1,5 +1,6 @@
 """The configuration, composed once: typed, resolved (derived values filled in) and validated, before any
-worker starts. Workers receive it resolved and do not resolve it again.
+worker starts. Workers receive it resolved and do not resolve it again, and beside it what was read from the
+data (a DataSpec: Note [data spec] in parallel/data/spec.py).
 
 Each concern checks its own settings beside its code; this module only calls
 those checks, in the order below, and stops at the first broken rule with a
@@ -29,7 +30,7 @@ from parallel.config import (
     takers,
     tensor_parallel,
 )
-from parallel.data import check_data, example_target, has_eval_data, read_hints
+from parallel.data import DataSpec, check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
 from parallel.instantiate import move_beside_keys
 from parallel.loss import check_loss, check_loss_config, derive_output_loss
@@ -51,25 +52,34 @@ from parallel.strategies.tensor import check_plan, check_tensor_keys
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
+    """`to_config_with_data`'s config alone."""
+    return to_config_with_data(cfg)[0]
+
+
+def to_config_with_data(cfg: DictConfig | dict) -> tuple[Config, DataSpec]:
     """Turn a composed DictConfig (or its plain-dict form: a config composed before, read back) into typed
-    dataclasses.
+    dataclasses, and what was read from the data.
 
     A key the strategy does not take is refused first (Note [strategy schemas] in parallel/strategy_specs.py; a
     plain dict's strategy takes every key). With data=shards the task and sizes come from the dataset's
     manifest, with data=custom from its first sample, set before interpolations resolve (a model's
-    `${data.features}` reads them).
+    `${data.features}` reads them); the sample's fields and the dataset's size are the DataSpec (Note [data
+    spec] in parallel/data/spec.py).
     """
     strict = not isinstance(cfg, dict)
     if not strict:
+        if isinstance(cfg.get("data"), dict) and "spec" in cfg["data"]:  # read back from a run made when the
+            cfg = {**cfg, "data": {k: v for k, v in cfg["data"].items() if k != "spec"}}  # config held it
         cfg = OmegaConf.merge(schema(), cfg)
     else:
         refuse_appended_keys(cfg)
     cfg.strategy = strategy_config(cfg.strategy, strict)
     move_beside_keys(cfg)  # before the user's dataset is first called (Note [instantiate shape])
-    for key, value in read_hints(cfg.data).items():
+    hints, data = read_hints(cfg.data)
+    for key, value in hints.items():
         cfg.data[key] = value
     composed = OmegaConf.to_object(cfg)
-    return Config(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(Config)})
+    return Config(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(Config)}), data
 
 
 def refuse_appended_keys(node: DictConfig, path: str = "") -> None:
@@ -141,13 +151,10 @@ def resolve(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Check every rule; raise ConfigError on the first broken one. Also resolves `cfg` (see `resolve`).
-
-    Args:
-        cfg: the typed configuration.
-        world_size: the number of workers the run will have.
-    """
+def validate(cfg: Config, world_size: int, data: DataSpec | None = None) -> None:
+    """Check every rule of `cfg` for `world_size` workers; raise ConfigError on the first broken one. Also
+    resolves `cfg` (see `resolve`). `data`: what was read from the data (`to_config_with_data`), which
+    data=custom has; None for the other sources."""
     # 1. Each group's own values: cheap, and nothing below is meaningful without them.
     check_trainer(cfg.trainer)
     check_profile(cfg.trainer)
@@ -156,8 +163,9 @@ def validate(cfg: Config, world_size: int) -> None:
         positive("nproc", cfg.nproc)
     check_optim(cfg.optim)
     check_schedule(cfg)
-    check_data(cfg.data, cfg.trainer.batch_size, cfg.trainer.eval_every)
-    _derive(cfg)
+    check_data(cfg.data, cfg.trainer.batch_size, cfg.trainer.eval_every, data)  # data=custom's checks read it
+    data = data or DataSpec()
+    _derive(cfg, data)
     check_loss_config(cfg.loss)
     if cfg.trainer.eval_every and not has_eval_data(cfg.data):
         fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",
@@ -173,7 +181,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_strategy(cfg, world_size)
     resolve(cfg, world_size)
     check_tensor_keys(s, tensor_parallel(s))
-    _check_inputs_by_name(cfg)
+    _check_inputs_by_name(cfg, data)
     per_rank = _check_batch(cfg)
     if pipelined(s):
         check_pipeline(cfg, per_rank)
@@ -193,36 +201,36 @@ def validate(cfg: Config, world_size: int) -> None:
         check_experts(model, s.ep, s.cp, s.zero, s.pp, s.tp)
     check_compile(cfg, model)
     if tensor_parallel(s):
-        check_plan(model, cfg)
+        check_plan(model, cfg, data)
     if s.cp > 1:  # before the split, which traces the model on the cp chunks
         check_context(cfg, model)
     if pipelined(s):
-        check_split(model, cfg)
-    out = check_model_takes_data(cfg, model)
+        check_split(model, cfg, data)
+    out = check_model_takes_data(cfg, model, data)
     if out is not None:
-        check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data))
+        check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data, spec=data))
 
 
-def _derive(cfg: Config) -> None:
+def _derive(cfg: Config, data: DataSpec) -> None:
     """What the data says of the model and the loss: model=hf without architectures gets the task's class;
     targets that go to the forward by name, the model's own loss (`loss.name=output`)."""
     derive_auto_class(cfg.model, cfg.data.task)
-    derive_output_loss(cfg.loss, list(cfg.data.spec.get("named") or ()), cfg.data.target_key)
+    derive_output_loss(cfg.loss, list(data.named or ()), cfg.data.target_key)
 
 
-def _check_inputs_by_name(cfg: Config) -> None:
+def _check_inputs_by_name(cfg: Config, data: DataSpec) -> None:
     """Fields passed to the forward by name (Note [inputs by name] in parallel/tensors.py) go where a batch is
     cut by rows; the strategies that cut sequences, trace the forward into stages or infer a plan from it take
     one input tensor."""
     s = cfg.strategy
-    if not cfg.data.spec.get("named"):
+    if not data.named:
         return
     cuts = [why for on, why in ((pipelined(s), f"strategy.pp={s.pp} traces a forward of one input tensor into "
                                  "stages"), (s.cp > 1, f"strategy.cp={s.cp} cuts one token tensor's sequences"),
                                 (tensor_parallel(s), f"strategy.tp={s.tp} plans its layers on one input tensor"))
             if on]
     if cuts:
-        fail("data.input_key", list(cfg.data.spec["named"]), f"fields passed by name train under single, data "
+        fail("data.input_key", list(data.named), f"fields passed by name train under single, data "
              f"and offload; {cuts[0]}", ["one input field (data.input_key=NAME)", "strategy=data"])
 
 

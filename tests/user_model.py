@@ -230,22 +230,27 @@ def dies_once(features: int = 32, width: int = 64, out: int = 4, die_at: int = 0
 
 class UserMoE(nn.Module):
     """A user's own mixture-of-experts layer on the documented interface (Note [moe layer]): `router`,
-    `experts` (a ModuleList), `top_k`, routed with `route` and computed with `run_experts`."""
+    `experts` (a ModuleList), `top_k`, routed with `route` and computed with `run_experts`; its load-balancing
+    term weighed by its `aux_weight` buffer, which the engine sets for each step (Note [auxiliary weight])."""
 
     def __init__(self, width: int, experts: int, top_k: int):
+        from parallel.aux_weight import register_aux_weight
+
         super().__init__()
         self.router = nn.Linear(width, experts)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width))
                                      for _ in range(experts))
         self.top_k = top_k
+        register_aux_weight(self)
 
     def forward(self, x):
         from parallel.models.moe import balance_loss, route, run_experts, with_aux_loss
 
         r = route(self.router(x).unsqueeze(1), self.top_k)  # each sample a sequence of one token
         out = run_experts(self.experts, x, r)
-        return with_aux_loss(out, balance_loss(r), 0.1, x.shape[0]) if self.training and torch.is_grad_enabled() \
-            else out
+        if not (self.training and torch.is_grad_enabled()):
+            return out
+        return with_aux_loss(out, balance_loss(r), 0.1, x.shape[0], self.aux_weight)
 
 
 def moe_regressor(features: int = 32, width: int = 16, experts: int = 4, top_k: int = 1, out: int = 4):

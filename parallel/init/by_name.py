@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from parallel.aux_weight import is_aux_weight
+
 
 def name_seed(seed: int, fqn: str) -> int:
     """A stable 63-bit seed from (seed, name); Python's hash() is salted per process."""
@@ -51,6 +53,8 @@ def _uniform_fan_in(fan_in: int) -> Callable:
 def _rule(module: nn.Module, local_name: str, root: nn.Module | None = None) -> Callable | None:
     """PyTorch's default initialization of `module.<local_name>`, as (tensor, generator) -> None; else the
     model's or the module's own init method (`_own_method`); None when there is none."""
+    if is_aux_weight(module, local_name):  # 0 until an engine sets it (Note [auxiliary weight])
+        return lambda t, g: t.zero_()
     if hasattr(module, "init_parameter"):
         return lambda t, g: module.init_parameter(local_name, t, g)
     if root is not None and hasattr(root, "_init_weights"):  # a Hugging Face model: its own rule for every kind

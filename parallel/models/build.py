@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from parallel.config import INITS, Config, ConfigError, ModelConfig, fail, import_target
-from parallel.data import example_input, vocab_is_bound
+from parallel.data import DataSpec, example_input, vocab_is_bound
+from parallel.data.spec import spec_of
 from parallel.init import check_initializable
 from parallel.init.by_name import fill_own_kinds
 from parallel.loss import logits_of
@@ -185,11 +186,12 @@ def check_model(m: ModelConfig) -> nn.Module:
     return build_meta_model(recipe)
 
 
-def check_model_takes_data(cfg: Config, model: nn.Module | None = None):
-    """The model (`model`, on meta; None: built here) runs on two samples shaped as the data's and gives what
-    its targets need. Returns its output (fake tensors), or None when a user's model could not run on fake
-    tensors."""
+def check_model_takes_data(cfg: Config, model: nn.Module | None = None, data: DataSpec | None = None):
+    """The model (`model`, on meta; None: built here) runs on two samples shaped as the data's (`data`: what was
+    read from data=custom, Note [data spec] in parallel/data/spec.py) and gives what its targets need. Returns
+    its output (fake tensors), or None when a user's model could not run on fake tensors."""
     d = cfg.data
+    data = spec_of(d.name, data)
     key, value, what = ("data.path", d.path, "the shards'") if d.name == "shards" else \
         ("data.task", d.task, f"data.task={d.task}'s")
     hint = f" (model={cfg.model.name} takes data.task=lm)" if d.name == "synthetic" and cfg.model.name in ("gpt", "moe") \
@@ -197,10 +199,10 @@ def check_model_takes_data(cfg: Config, model: nn.Module | None = None):
     shape = {"regression": (2, d.targets), "classification": (2, d.classes), "lm": (2, d.seq_len, d.vocab_size)}
     if d.name == "custom":  # the fields read from the first sample: name them
         key, value, what = "data.input_key", d.input_key, f"the dataset's {d.task}"
-        shape["regression"] = (2, *d.spec["target"]["shape"])
-        if d.spec.get("named"):  # fields by name: an lm target need not be as long as the main field
-            shape["lm"] = (2, *d.spec["target"]["shape"], d.vocab_size)
-    inputs = example_input(d)
+        shape["regression"] = (2, *data.target["shape"])
+        if data.named:  # fields by name: an lm target need not be as long as the main field
+            shape["lm"] = (2, *data.target["shape"], d.vocab_size)
+    inputs = example_input(d, spec=data)
     x = main_field(inputs)
     model = build_meta_model(cfg.model) if model is None else model
     _check_forward_takes_a_batch(cfg.model, model, inputs)
@@ -230,7 +232,7 @@ def check_model_takes_data(cfg: Config, model: nn.Module | None = None):
         if d.name == "custom":
             key, value = "data.target_key", d.target_key
             need = f"the samples' {d.task} target (field {d.target_key!r}, of shape " \
-                   f"{tuple(d.spec['target']['shape'])}) needs {shape[d.task]}"
+                   f"{tuple(data.target['shape'])}) needs {shape[d.task]}"
         fail(key, value, f"the model gives outputs of shape {tuple(out.shape)} for 2 samples; {need}")
     return raw
 

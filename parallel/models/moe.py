@@ -32,13 +32,17 @@ accumulation and pipelines (parallel/loss.py Note [global loss] holds the same f
 
 It reaches the gradients without passing through the model's output: the layer ties its sequences' summed
 term to its output with `aux_gradient`, the identity forward whose backward adds the term's gradient times
-the weight of one sequence. The engines do not change and the output stays one tensor (a pipeline stage
-sends only activations; the aux terms of stage 0 never travel to the last stage). The weight is the one
-`Loss.start_step` sets for the step (`aux_sample_weight`: the loss's gradient-averaging scale over the global
-batch's sample count), or 1 / (the forward's sequences) outside an engine (a plain PyTorch loop). The logged
+the weight of one sequence. The engines' losses do not change and the output stays one tensor (a pipeline
+stage sends only activations; the aux terms of stage 0 never travel to the last stage). The weight is the
+step's, which the engine running it sets in the layer's `aux_weight` buffer (Note [auxiliary weight] in
+parallel/aux_weight.py; `Loss.aux_weight`: the loss's gradient-averaging scale over the global batch's sample
+count), or 1 / (the forward's sequences) where no engine set it (a plain PyTorch loop). The logged
 `loss` is the main loss alone; the aux term is logged as `moe_aux_loss` (parallel.models.moe_stats). The
 capacity is per sequence for the same reason: ceil(capacity_factor * seq_len * top_k / E) choices per
 expert and sequence, the earlier positions first (every first choice before any second one).
+
+A user's layer adds a term of its own the same way: `register_aux_weight(self)` in its constructor and
+`with_aux_loss(out, balance_loss(r), coef, seqs, self.aux_weight)` in a training forward.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._guards import detect_fake_mode
 
-from parallel.loss import aux_sample_weight
+from parallel.aux_weight import register_aux_weight
 from parallel.models.gpt import GPT, Attention, FeedForward
 
 
@@ -100,37 +104,47 @@ def balance_loss(r: Route) -> torch.Tensor:
 
 # A custom op rather than an autograd.Function: torch.export (the pipeline's trace) keeps a custom op as one
 # call with its backward, where it inlines a Function's forward and drops its backward. The op copies `out`
-# (an op's output may not alias its input); the weight is read in backward, at run time, not at the trace.
+# (an op's output may not alias its input); the weight is a tensor, the layer's buffer, read in backward at
+# run time, not at the trace (Note [auxiliary weight] in parallel/aux_weight.py).
 @torch.library.custom_op("parallel::aux_gradient", mutates_args=())
-def aux_gradient(out: torch.Tensor, aux: torch.Tensor, coef: float, seqs: int) -> torch.Tensor:
+def aux_gradient(out: torch.Tensor, aux: torch.Tensor, weight: torch.Tensor, coef: float, seqs: int) -> torch.Tensor:
     """`out` unchanged; backward also gives `aux` the gradient coef x the weight of a sequence (Note
-    [auxiliary loss]): `aux_sample_weight()` in an engine's step, 1 / seqs outside one."""
+    [auxiliary loss]): `weight` where an engine has set it (> 0), else 1 / seqs."""
     return out.clone()
 
 
 @aux_gradient.register_fake
-def _(out, aux, coef, seqs):
+def _(out, aux, weight, coef, seqs):
     return torch.empty_like(out)
 
 
 def _aux_setup(ctx, inputs, output):
-    _, aux, ctx.coef, ctx.seqs = inputs
+    _, aux, weight, ctx.coef, ctx.seqs = inputs
     ctx.aux_meta = (aux.shape, aux.dtype)
+    ctx.save_for_backward(weight)
 
 
 def _aux_backward(ctx, grad):
-    weight = aux_sample_weight()
-    weight = 1.0 / ctx.seqs if weight is None else weight
     shape, dtype = ctx.aux_meta
-    return grad, torch.full(shape, ctx.coef * weight, device=grad.device, dtype=dtype), None, None
+    (weight,) = ctx.saved_tensors
+    # On the device, without reading the weight back; 0: no engine set it (a plain loop). In float64 until
+    # the one rounding to the term's dtype (Note [auxiliary weight]).
+    weight = torch.where(weight > 0, weight, 1.0 / ctx.seqs)
+    return grad, (ctx.coef * weight).to(device=grad.device, dtype=dtype).expand(shape), None, None, None
 
 
 aux_gradient.register_autograd(_aux_backward, setup_context=_aux_setup)
 
 
-def with_aux_loss(out: torch.Tensor, aux_sum: torch.Tensor, coef: float, seqs: int) -> torch.Tensor:
-    """`out` carrying `coef x aux_sum` (summed over `seqs` sequences) into backward (Note [auxiliary loss])."""
-    return aux_gradient(out, aux_sum.float(), float(coef), int(seqs))
+def with_aux_loss(out: torch.Tensor, aux_sum: torch.Tensor, coef: float, seqs: int,
+                  weight: torch.Tensor) -> torch.Tensor:
+    """`out` carrying `coef x aux_sum` (summed over `seqs` sequences) into backward (Note [auxiliary loss]).
+
+    Args:
+        weight: the layer's `aux_weight` buffer (`parallel.aux_weight.register_aux_weight(layer)` in its
+            constructor), which the engine running a step sets (Note [auxiliary weight]).
+    """
+    return aux_gradient(out, aux_sum.float(), weight, float(coef), int(seqs))
 
 
 def _static(t: torch.Tensor) -> bool:
@@ -220,6 +234,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(FeedForward(dim, hidden) for _ in range(experts))
         self.top_k, self.capacity_factor, self.aux_coef = top_k, capacity_factor, aux_coef
         self.stats: dict[str, torch.Tensor] = {}  # what moe_stats reads at a logged step (training only)
+        register_aux_weight(self)  # the step's weight of a sequence's term, set by the engine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -229,7 +244,7 @@ class MoE(nn.Module):
             return out
         aux = balance_loss(r)
         record(self.stats, r, aux.detach() * self.aux_coef)
-        return with_aux_loss(out, aux, self.aux_coef, b) if self.aux_coef else out
+        return with_aux_loss(out, aux, self.aux_coef, b, self.aux_weight) if self.aux_coef else out
 
 
 @torch.compiler.disable

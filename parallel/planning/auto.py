@@ -179,8 +179,9 @@ def disk_bandwidth(directory: Path, nbytes: int = 64 << 20) -> float:
     return 2 * nbytes / elapsed
 
 
-def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Config, list[Candidate]]:
-    """The fastest candidate that fits; every candidate with its figures or the reason it was dropped.
+def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) -> tuple[Config, list[Candidate]]:
+    """The fastest candidate that fits; every candidate with its figures or the reason it was dropped (`data`:
+    what was read from the data, parallel.data.spec.DataSpec).
 
     Raises:
         ConfigError: when no candidate fits the budget (naming the smallest peak).
@@ -202,8 +203,8 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
         c.run_dir = str(run_dir)
         quiet.setLevel(logging.WARNING)  # the strategies' own build messages, once per candidate
         try:
-            validate(c, world)
-            plans = plan(c, world)
+            validate(c, world, data)
+            plans = plan(c, world, data=data)
         except ConfigError as e:
             cand.dropped = f"does not apply: {e}"
         except Exception as e:  # noqa: BLE001 - a candidate the planner cannot take is one option less
@@ -232,7 +233,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print) -> tuple[Conf
                           f"{smallest.peak / 1e6:.2f} MB per rank")
     chosen = _apply(cfg, fits[0].overrides)
     chosen.run_dir = cfg.run_dir
-    validate(chosen, world)
+    validate(chosen, world, data)
     return chosen, sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
 
 

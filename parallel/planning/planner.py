@@ -87,7 +87,6 @@ from parallel.dims import ParallelDims, batch_mesh
 from parallel.engine import own_optimizer
 from parallel.flops import Flops
 from parallel.init import Blank
-from parallel.loss import end_steps
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
 from parallel.planning.comm import CommBytes
@@ -323,7 +322,7 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
 
 
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False,
-              run_dir: str | None = None, depth: tuple[str, int] | None = None) -> RankPlan:
+              run_dir: str | None = None, depth: tuple[str, int] | None = None, data=None) -> RankPlan:
     """One training step of `rank`, under fake tensors and a fake process group (Note [planner]); for a CUDA
     run, with what CUDA holds besides (Note [planning for CUDA] in parallel/planning/cuda.py). `depth`: the
     model's list of blocks and the blocks of it kept (Note [planning by depth])."""
@@ -342,8 +341,8 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         batch = batch_mesh(mesh)
         # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them) and
         # data=custom (zeros shaped as its first sample): the plan reads no dataset.
-        data = planned_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, batch.get_local_rank(),
-                            batch.size())
+        source = planned_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, batch.get_local_rank(),
+                              batch.size(), spec=data)
         ddp, io = DDPStandIn(), CountingIO()
         runtime = Runtime(device=device, agree=lambda value: value, static_shapes=True, time_blocks=False,
                           executor=lambda workers, name: InlineExecutor(watched=cuda), replicate=ddp.replicate,
@@ -351,12 +350,13 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                           values=Blank(),  # fake tensors hold no values
                           compile=False,  # planned as the eager run: Note [regional compilation]
                           target=torch.device("cuda") if cuda else None,
-                          run_dir=None if run_dir is None else Path(run_dir))  # offload makes its directory there
+                          run_dir=None if run_dir is None else Path(run_dir),  # offload makes its directory there
+                          data=data)
         settle_autograd_threads()  # before the step's backward on fake tensors: Note [autograd threads and fork]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         account = CudaAccount(fake, cublas_workspace()[0]) if cuda else None
         with fake, ShapeValues(fake), static_pipeline_warmup(), sends_held_by_their_works(), meshes_outside_fake():
-            run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=data)
+            run = build_run(cfg, dims, runtime, mesh=mesh, model=model, data=source)
             if cuda:
                 foreach_as_on_cuda(run.optimizer, rank_optimizer(run.optimizer))
             # Two steps, each counted as the trainer counts a watched step: what exists at its start
@@ -372,7 +372,6 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                         phases[name] = row
             run.engine.close()
     finally:
-        end_steps()  # the planned step's Loss must not weigh a later model's auxiliary terms
         dist.destroy_process_group()
     return _rank_plan(rank, tracker, modules, flops, comm, work, ddp, io, account, phases)
 
@@ -458,10 +457,11 @@ def _phased_step(run, told: list, step: int) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan]:
-    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it).
-    A model of many blocks alike is traced at a few depths and its plan extended to its own (Note [planning
-    by depth]) unless `plan.every_block`."""
+def plan(cfg: Config, world_size: int, by_module: bool = False, data=None) -> list[RankPlan]:
+    """A RankPlan per rank role (see `roles`); `cfg` must be validated for `world_size` (which resolves it);
+    `data`: what was read from the data (parallel.data.spec.DataSpec; None: nothing read). A model of many
+    blocks alike is traced at a few depths and its plan extended to its own (Note [planning by depth]) unless
+    `plan.every_block`."""
     dims = ParallelDims.of(cfg.strategy, world_size)
     with contextlib.ExitStack() as stack:
         # Offload makes its (here empty) directory in the run's.
@@ -469,19 +469,18 @@ def plan(cfg: Config, world_size: int, by_module: bool = False) -> list[RankPlan
         found = None if traced_whole(cfg, dims, by_module) else block_list(build_meta_model(cfg.model))
         if found is not None:
             parent, blocks = found
-            at = {d: _plan_roles(cfg, dims, run_dir, False, (parent, d)) for d in DEPTHS}
+            at = {d: _plan_roles(cfg, dims, run_dir, False, (parent, d), data) for d in DEPTHS}
             if (out := extend(at, len(blocks), parent)) is not None:
                 return out
-        return _plan_roles(cfg, dims, run_dir, by_module, None)
-
+        return _plan_roles(cfg, dims, run_dir, by_module, None, data)
 
 
 def _plan_roles(cfg: Config, dims: ParallelDims, run_dir: str, by_module: bool,
-                depth: tuple[str, int] | None) -> list[RankPlan]:
+                depth: tuple[str, int] | None, data=None) -> list[RankPlan]:
     out = []
     for i, (rank, same) in enumerate(roles(dims)):
         p = in_own_thread("plan-rank", plan_rank, cfg, dims, rank, by_module=by_module and i == 0,
-                          run_dir=run_dir, depth=depth)
+                          run_dir=run_dir, depth=depth, data=data)
         p.same_as = same
         out.append(p)
     return out

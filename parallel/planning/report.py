@@ -17,15 +17,16 @@ from parallel.planning.planner import KINDS, plan
 from parallel.units import human_bytes
 
 
-def report(cfg: Config, world: int, run_dir: str) -> None:
+def report(cfg: Config, world: int, run_dir: str, data=None) -> None:
     """Plan `cfg` (validated for `world` ranks; strategy=auto: its candidates first, then the one it picks),
-    print the plan and write plan.json and memory.png into `run_dir`."""
+    print the plan and write plan.json and memory.png into `run_dir`; `data`: what was read from the data
+    (parallel.data.spec.DataSpec)."""
     found = None
     if strategy_spec(cfg.strategy.name).chooses:  # strategy=auto: plan the candidates, then the one picked
         budget = device_budget(cfg, world)
-        cfg, found = choose(cfg, world, Path(run_dir))
+        cfg, found = choose(cfg, world, Path(run_dir), data=data)
         print(table(found, f"budget {human_bytes(budget)} per rank"))
-    plans = plan(cfg, world, by_module=cfg.plan.by_module)
+    plans = plan(cfg, world, by_module=cfg.plan.by_module, data=data)
     os.makedirs(run_dir, exist_ok=True)
     cuda = cuda_run(cfg.trainer.device)
     _print_table(cfg, plans, world, cuda)

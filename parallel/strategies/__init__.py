@@ -47,7 +47,7 @@ def _local(apply):
     def build(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
         sequence = apply_context(model, mesh)  # cp > 1 (strategy=context): attention over the cp ranks
         if recomputing(cfg):  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
-            recompute_model(model, example_input(cfg.data))
+            recompute_model(model, example_input(cfg.data, spec=runtime.data))
         model = apply(model, mesh, cfg, runtime)
         if compiling(cfg, runtime):  # after DDP or FSDP2 (Note [regional compilation])
             compile_model(model)

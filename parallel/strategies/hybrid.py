@@ -73,7 +73,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     s = cfg.strategy
     tp_plan = {}
     if s.tp > 1:  # the plan checked against the model, inferred from one batch's input on meta if need be
-        tp_plan = tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, as_call(example_input(cfg.data))[0])
+        example = as_call(example_input(cfg.data, spec=runtime.data))[0]
+        tp_plan = tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example)
     param_dtype, reduce_dtype = precision(cfg)  # Note [mixed precision]
     policy = mixed_precision(param_dtype, reduce_dtype)  # the experts' own units'
 
@@ -107,7 +108,7 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         return engine
     sequence = apply_context(model, mesh)  # cp > 1: attention over the cp ranks
     if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
-        recompute_model(model, example_input(cfg.data))
+        recompute_model(model, example_input(cfg.data, spec=runtime.data))
     pieces(model, blocks_of(model))
     if compiling(cfg, runtime):  # after the tensor plan and FSDP2 (Note [regional compilation])
         compile_model(model)

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 from parallel.config import SPECS, Config, ConfigError, StrategyConfig, from_dict, to_dict  # (registers the schema)
-from parallel.validate import to_config, validate
+from parallel.validate import to_config, to_config_with_data, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 EXTRA = {("model", "custom"): ["model._target_=tests.user_model.two_tower"],
@@ -50,10 +50,10 @@ def test_every_config_composes_and_validates(group, name, shards, hf_dirs):
     extra = [f"data.path={shards}"] if (group, name) == ("data", "shards") else EXTRA.get((group, name), [])
     if (group, name) == ("model", "hf"):
         extra = [f"model.path={hf_dirs['llama']}", "data.task=lm", "data.seq_len=16"]
-    cfg = to_config(compose_cfg([f"{group}={name}"] + extra))
+    cfg, data = to_config_with_data(compose_cfg([f"{group}={name}"] + extra))
     section = getattr(cfg, group)
     assert getattr(section, "name", name) == name
-    validate(cfg, world_size=1)
+    validate(cfg, world_size=1, data=data)
 
 
 def test_root_config_defaults():
@@ -77,6 +77,14 @@ def test_composition_rejects_unknown_keys_and_wrong_types(overrides):
     with pytest.raises((ConfigCompositionException, MissingConfigException, OmegaConfBaseException)) as info:
         compose_cfg(overrides)
     assert overrides[-1].split("=")[0].split(".")[-1] in str(info.value) or "nope" in str(info.value)
+
+
+def test_data_spec_is_no_setting():
+    """What validation reads from the data travels beside the config (Note [data spec] in parallel/data/spec.py):
+    `data.spec` is refused in one line as any key the data group lacks."""
+    with pytest.raises(ConfigError, match=r"^data.spec=\{\}: not a key of data; ") as info:
+        to_config(compose_cfg(["+data.spec={}"]))
+    assert "\n" not in str(info.value)
 
 
 # A key of another strategy, or of none: one line naming the key and the strategy, when the composed config is

@@ -12,27 +12,38 @@ from parallel.data import build_data, build_eval_data, example_input, planned_da
 from parallel.data.custom import MapOrder, check_custom, split_indices
 from parallel.data.custom.split import ShardPlan, interleave_rows
 from parallel.tensors import as_call, split_rows
-from parallel.validate import to_config, validate
+from parallel.validate import to_config_with_data, validate
 from tests import user_data
 from tests.cli import ROOT
 
 CPU = torch.device("cpu")
 
 
-def config(*overrides, target="tests.user_data.regression", world=1):
-    """The validated config of `python launch/train.py data=custom data._target_=target *overrides`."""
+def config_with_data(*overrides, target="tests.user_data.regression", world=1):
+    """The validated config of `python launch/train.py data=custom data._target_=target *overrides`, and what
+    validation read from the data (its DataSpec)."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         dcfg = compose(config_name="config", overrides=["data=custom", f"data._target_={target}", *overrides])
-    cfg = to_config(dcfg)
-    validate(cfg, world)
-    return cfg
+    cfg, data = to_config_with_data(dcfg)
+    validate(cfg, world, data)
+    return cfg, data
 
 
-def global_batches(cfg, steps, dp_size, first=1, eval_source=False):
-    """Step -> the global batch, concatenated from `dp_size` ranks' sources (read from step `first`)."""
-    make = build_eval_data if eval_source else build_data
-    ranks = [make(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, r, dp_size) for r in range(dp_size)]
+def config(*overrides, target="tests.user_data.regression", world=1):
+    """The validated config of `python launch/train.py data=custom data._target_=target *overrides`."""
+    return config_with_data(*overrides, target=target, world=world)[0]
+
+
+def global_batches(cfg, steps, dp_size, first=1, eval_source=False, data=None):
+    """Step -> the global batch, concatenated from `dp_size` ranks' sources (read from step `first`); `data`:
+    the config's DataSpec."""
+    def make(r):
+        if eval_source:
+            return build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, r, dp_size)
+        return build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, r, dp_size, spec=data)
+
+    ranks = [make(r) for r in range(dp_size)]
     try:
         return {s: [torch.cat(t) for t in zip(*(src.batch(s, CPU) for src in ranks))] for s in steps}
     finally:
@@ -52,23 +63,23 @@ def test_map_order_is_epochs_of_whole_global_batches():
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_map_global_batch_is_the_same_on_any_world_size(workers):
-    cfg = config(f"data.workers={workers}", "trainer.batch_size=16")
-    one, four = global_batches(cfg, range(1, 8), 1), global_batches(cfg, range(1, 8), 4)
+    cfg, data = config_with_data(f"data.workers={workers}", "trainer.batch_size=16")
+    one, four = global_batches(cfg, range(1, 8), 1, data=data), global_batches(cfg, range(1, 8), 4, data=data)
     ds = user_data.regression()
     order = MapOrder(np.arange(96), cfg.trainer.seed, 16, shuffle=True)
     for step in range(1, 8):
         torch.testing.assert_close(four[step], one[step], rtol=0, atol=0)
         torch.testing.assert_close(one[step][0], ds.x[order.global_batch(step)], rtol=0, atol=0)
-    resumed = global_batches(cfg, [5, 6], 2, first=5)  # a source started at step 5 (a resume)
+    resumed = global_batches(cfg, [5, 6], 2, first=5, data=data)  # a source started at step 5 (a resume)
     torch.testing.assert_close(resumed[6], one[6], rtol=0, atol=0)
 
 
 def test_held_out_samples_are_never_trained_on_and_evaluated_in_order():
-    cfg = config("data.eval_fraction=0.25", "trainer.batch_size=8")
+    cfg, data = config_with_data("data.eval_fraction=0.25", "trainer.batch_size=8")
     train, held = split_indices(96, 0.25, cfg.trainer.seed)
     assert len(held) == 24 and sorted(np.concatenate([train, held]).tolist()) == list(range(96))
     ds = user_data.regression()
-    seen = torch.cat([b[0] for b in global_batches(cfg, range(1, 25), 2).values()])
+    seen = torch.cat([b[0] for b in global_batches(cfg, range(1, 25), 2, data=data).values()])
     assert not (seen[:, None, :] == ds.x[held][None]).all(-1).any()  # 24 steps: 2 epochs of the other 72
     evaluated = global_batches(cfg, [1, 2, 3], 2, eval_source=True)
     torch.testing.assert_close(torch.cat([evaluated[i][0] for i in (1, 2, 3)]), ds.x[held], rtol=0, atol=0)
@@ -78,12 +89,12 @@ def test_held_out_samples_are_never_trained_on_and_evaluated_in_order():
 
 
 def test_eval_dataset_in_its_own_order():
-    cfg = config("data.eval._target_=tests.user_data.regression", "+data.eval.args.seed=5",
+    cfg, data = config_with_data("data.eval._target_=tests.user_data.regression", "+data.eval.args.seed=5",
                  "trainer.batch_size=32", "data.workers=0")
     got = global_batches(cfg, [1, 3], 2, eval_source=True)
     want = user_data.regression(seed=5)
     torch.testing.assert_close(got[3][0], want.x[64:96], rtol=0, atol=0)
-    assert build_data(cfg.data, 0, 32).order.per_epoch == 3  # the training set keeps all of its samples
+    assert build_data(cfg.data, 0, 32, spec=data).order.per_epoch == 3  # the training set keeps all of its samples
 
 
 def test_eval_stream_starts_again_at_each_evaluation():
@@ -98,17 +109,17 @@ def test_eval_stream_starts_again_at_each_evaluation():
 
 @pytest.mark.parametrize("stateful", [True, False])
 def test_stream_positions_and_resume(stateful):
-    cfg = config("data.workers=0", f"+data.args.stateful={stateful}", target="tests.user_data.stream")
-    one = global_batches(cfg, range(1, 5), 1)
-    two = global_batches(cfg, range(1, 5), 2)
+    cfg, data = config_with_data("data.workers=0", f"+data.args.stateful={stateful}", target="tests.user_data.stream")
+    one = global_batches(cfg, range(1, 5), 1, data=data)
+    two = global_batches(cfg, range(1, 5), 2, data=data)
     for step in range(1, 5):
         torch.testing.assert_close(two[step], one[step], rtol=0, atol=0)
-    source = build_data(cfg.data, 0, 32)
+    source = build_data(cfg.data, 0, 32, spec=data)
     for step in (1, 2, 3):
         source.batch(step, CPU)
     state = source.state_dict()
     assert (state is not None) == stateful
-    again = build_data(cfg.data, 0, 32, 1, 2)
+    again = build_data(cfg.data, 0, 32, 1, 2, spec=data)
     if stateful:
         again.load_state_dict(state)
     x, _ = again.batch(4, CPU)
@@ -118,13 +129,13 @@ def test_stream_positions_and_resume(stateful):
 
 
 def test_hugging_face_stream_resumes_from_its_state():
-    cfg = config("data.workers=0", target="tests.user_data.hf_stream")
-    one = global_batches(cfg, range(1, 4), 1)
-    torch.testing.assert_close(global_batches(cfg, [1, 2, 3], 2), one, rtol=0, atol=0)
-    source = build_data(cfg.data, 0, 32)
+    cfg, data = config_with_data("data.workers=0", target="tests.user_data.hf_stream")
+    one = global_batches(cfg, range(1, 4), 1, data=data)
+    torch.testing.assert_close(global_batches(cfg, [1, 2, 3], 2, data=data), one, rtol=0, atol=0)
+    source = build_data(cfg.data, 0, 32, spec=data)
     for step in (1, 2):
         source.batch(step, CPU)
-    again = build_data(cfg.data, 0, 32)
+    again = build_data(cfg.data, 0, 32, spec=data)
     again.load_state_dict(source.state_dict())
     torch.testing.assert_close(again.batch(3, CPU), tuple(one[3]), rtol=0, atol=0)
     state = again.state_dict()["states"][3]
@@ -132,8 +143,8 @@ def test_hugging_face_stream_resumes_from_its_state():
 
 
 def test_stream_read_by_a_loader_process_keeps_its_state():
-    cfg = config("data.workers=1", "+data.args.stateful=true", target="tests.user_data.stream")
-    source = build_data(cfg.data, 0, 32)
+    cfg, data = config_with_data("data.workers=1", "+data.args.stateful=true", target="tests.user_data.stream")
+    source = build_data(cfg.data, 0, 32, spec=data)
     for step in (1, 2):
         source.batch(step, CPU)
     assert source.state_dict()["states"][2]["position"] == 64
@@ -143,10 +154,11 @@ def test_stream_read_by_a_loader_process_keeps_its_state():
 def test_first_sample_sets_task_sizes_and_keys():
     hf = config(target="tests.user_data.hf_classification").data
     assert (hf.task, hf.classes, hf.features, hf.input_key, hf.target_key) == ("classification", 3, 8, "x", "labels")
-    lm = config("model=gpt", target="tests.user_data.Tokens").data
+    cfg, data = config_with_data("model=gpt", target="tests.user_data.Tokens")
+    lm = cfg.data
     assert (lm.task, lm.seq_len, lm.vocab_size, lm.input_key, lm.target_key) == ("lm", 6, 16, "input_ids", "labels")
-    assert example_input(lm).dtype == torch.long and example_input(lm, 3).shape == (3, 6)
-    x, y = planned_data(lm, 0, 32, 0, 2).batch(1, CPU)
+    assert example_input(lm, spec=data).dtype == torch.long and example_input(lm, 3, spec=data).shape == (3, 6)
+    x, y = planned_data(lm, 0, 32, 0, 2, spec=data).batch(1, CPU)
     assert x.shape == (16, 6) and y.shape == (16, 6) and y.dtype == torch.long
     regression = config("data.input_key=0", "data.target_key=1").data
     assert (regression.task, regression.features, regression.targets) == ("regression", 8, 2)
@@ -159,16 +171,17 @@ def test_fields_by_name_are_collated_cut_and_planned_as_a_dict():
     order, collated, cut into rows alike, planned as zeros (a mask as ones); the task and sizes from the first;
     an encoder-decoder's target of its own length is an lm target; the loss the model's by default."""
     fields = ["input_ids", "attention_mask", "labels"]
-    cfg = config("model=custom", "model._target_=tests.seq2seq.t5", f"data.input_key=[{','.join(fields)}]",
+    cfg, data = config_with_data("model=custom", "model._target_=tests.seq2seq.t5",
+                                 f"data.input_key=[{','.join(fields)}]",
                  "data.target_key=labels", target="tests.seq2seq.pairs")
     d = cfg.data
     assert (d.task, d.seq_len, d.vocab_size, d.input_key, cfg.loss.name) == ("lm", 8, 48, fields, "output")
-    assert list(d.spec["named"]) == fields and d.spec["input"] == d.spec["named"]["input_ids"]
-    x, y = build_data(d, 0, 32).batch(1, CPU)
+    assert list(data.named) == fields and data.input == data.named["input_ids"]
+    x, y = build_data(d, 0, 32, spec=data).batch(1, CPU)
     assert list(x) == fields and x["labels"].shape == y.shape == (32, 6) and torch.equal(x["labels"], y)
     assert [part["attention_mask"].shape[0] for part in split_rows(x, 4)] == [8] * 4
     assert torch.equal(split_rows(x, 4)[1]["input_ids"], x["input_ids"][8:16])
-    planned = example_input(d, 3, CPU)
+    planned = example_input(d, 3, CPU, spec=data)
     assert planned["input_ids"].shape == (3, 8) and bool((planned["attention_mask"] == 1).all())
     assert as_call(planned) == ((), planned) and as_call(y) == ((y,), {})
 
@@ -215,7 +228,8 @@ def test_bad_datasets_are_config_errors(overrides, target, key, text):
 
 
 def test_eval_every_needs_eval_data():
-    cfg = config()
+    cfg, data = config_with_data()
     with pytest.raises(ConfigError, match=r"^trainer.eval_every=5: data=custom has no evaluation data"):
-        check_custom(cfg.data, 32, eval_every=5)
-    check_custom(config("data.eval_fraction=0.5").data, 32, eval_every=5)
+        check_custom(cfg.data, data, 32, eval_every=5)
+    held, data = config_with_data("data.eval_fraction=0.5")
+    check_custom(held.data, data, 32, eval_every=5)

@@ -19,7 +19,7 @@ from parallel.data.custom.split import (
     shard_count,
 )
 from tests import user_data
-from tests.unit.test_custom_data import CPU, config
+from tests.unit.test_custom_data import CPU, config, config_with_data
 
 
 def test_positions_ranks_and_workers():
@@ -60,10 +60,12 @@ def test_shard_states_merge_across_ranks():
     assert merge_states([a, b]) == {3: {"position": 96, "shards": {0: "a0", 1: "a1", 2: "a2", 3: "a3"}}}
 
 
-def rank_batches(cfg, steps, ranks, first=1, state=None):
+def rank_batches(run, steps, ranks, first=1, state=None):
     """Step -> the global batch's inputs in position order, put together from `ranks` ranks' sources (rank r
-    holds positions p mod R == r), each started at step `first` (from `state` when given)."""
-    sources = [build_data(cfg.data, 0, 24, r, ranks) for r in range(ranks)]
+    holds positions p mod R == r), each started at step `first` (from `state` when given); `run`: the config
+    and its DataSpec (`config_with_data`)."""
+    cfg, data = run
+    sources = [build_data(cfg.data, 0, 24, r, ranks, spec=data) for r in range(ranks)]
     try:
         if state is not None:
             for s in sources:
@@ -98,19 +100,20 @@ def expected(steps, shards=4, length=20):
 def test_split_stream_global_order_on_any_world_size(ranks, workers, collate):
     """Read in this process or in loader workers whose parts come collated (default collation) or as samples
     collated here (a user's collate function)."""
-    cfg = config(f"data.workers={workers}", f"data.collate._target_={collate or 'null'}",
-                 target="tests.user_data.sharded")
-    got, _ = rank_batches(cfg, range(1, 7), ranks)  # 144 positions: every shard past its first epoch
+    run = config_with_data(f"data.workers={workers}", f"data.collate._target_={collate or 'null'}",
+                           target="tests.user_data.sharded")
+    got, _ = rank_batches(run, range(1, 7), ranks)  # 144 positions: every shard past its first epoch
     torch.testing.assert_close(got, expected(range(1, 7)), rtol=0, atol=0)
-    resumed, sources = rank_batches(cfg, [5, 6], ranks, first=5)  # no state: each shard fast-forwarded
+    resumed, sources = rank_batches(run, [5, 6], ranks, first=5)  # no state: each shard fast-forwarded
     torch.testing.assert_close(resumed, expected([5, 6]), rtol=0, atol=0)
 
 
 def test_shard_states_resume_on_another_world_size(tmp_path):
     log = tmp_path / "reads.log"
-    cfg = config("data.workers=0", "+data.args.stateful=true", f"+data.args.log={log}",
-                 target="tests.user_data.sharded")
-    sources = [build_data(cfg.data, 0, 24, r, 2) for r in range(2)]
+    run = config_with_data("data.workers=0", "+data.args.stateful=true", f"+data.args.log={log}",
+                           target="tests.user_data.sharded")
+    cfg, data = run
+    sources = [build_data(cfg.data, 0, 24, r, 2, spec=data) for r in range(2)]
     for step in (1, 2, 3):
         for s in sources:
             s.batch(step, CPU)
@@ -120,7 +123,7 @@ def test_shard_states_resume_on_another_world_size(tmp_path):
     shard = merged["states"][3]["shards"]
     assert [(shard[s]["element"], shard[s]["epoch"]) for s in range(4)] == [(18, 0)] * 4  # 72 positions
     log.write_text("")
-    got, _ = rank_batches(cfg, [4, 5, 6], 1, first=4, state=merged)
+    got, _ = rank_batches(run, [4, 5, 6], 1, first=4, state=merged)
     torch.testing.assert_close(got, expected([4, 5, 6]), rtol=0, atol=0)
     # Each shard started at its state (element 18 of epoch 0), not read from 0; then epoch 1 from 0.
     starts = sorted(tuple(int(v) for v in line.split()[2:]) for line in log.read_text().splitlines())
@@ -148,23 +151,23 @@ def test_hugging_face_shard_is_read_whole_in_any_loader_worker():
 
 
 def test_hugging_face_split_stream_resumes_from_shard_states():
-    cfg = config("data.workers=2", target="tests.user_data.hf_sharded_stream")
-    whole, _ = rank_batches(cfg, range(1, 7), 1)
+    run = config_with_data("data.workers=2", target="tests.user_data.hf_sharded_stream")
+    whole, _ = rank_batches(run, range(1, 7), 1)
     rows = {s: list(user_data._shard_rows([s], 30)) for s in range(4)}  # 30 rows a shard, again each epoch
     want = [torch.tensor(rows[p % 4][(p // 4) % 30]["x"]) for p in range(144)]
     torch.testing.assert_close(torch.cat([whole[s] for s in range(1, 7)]), torch.stack(want), rtol=0, atol=0)
-    two, sources = rank_batches(cfg, range(1, 4), 2)
+    two, sources = rank_batches(run, range(1, 4), 2)
     torch.testing.assert_close(two, {s: whole[s] for s in (1, 2, 3)}, rtol=0, atol=0)
     state = {"states": merge_states([s.states for s in sources])}
     assert all(state["states"][3]["shards"][s]["dataset"] for s in range(4))  # the shards' own states
-    resumed, _ = rank_batches(cfg, [4, 5, 6], 1, first=4, state=state)
+    resumed, _ = rank_batches(run, [4, 5, 6], 1, first=4, state=state)
     torch.testing.assert_close(resumed, {s: whole[s] for s in (4, 5, 6)}, rtol=0, atol=0)
 
 
 def test_shards_a_rank_cannot_own_alone_are_said(caplog):
-    cfg = config("data.workers=3", target="tests.user_data.sharded")
+    cfg, data = config_with_data("data.workers=3", target="tests.user_data.sharded")
     with caplog.at_level(logging.INFO, logger="parallel"):
-        build_data(cfg.data, 0, 24, 1, 3).close()
+        build_data(cfg.data, 0, 24, 1, 3, spec=data).close()
     assert "the stream's 4 shards cannot be split among 3 data-parallel ranks" in caplog.text
     assert "data.workers=3, but a rank's 4 shards are read by 2 loader processes" in caplog.text
 

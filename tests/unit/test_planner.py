@@ -91,20 +91,18 @@ def test_context_parallel_plans_count_the_key_value_exchange():
     assert got == exchange
 
 
-def test_a_plan_leaves_no_stepping_loss_behind(monkeypatch):
+def test_a_plan_leaves_no_auxiliary_weight_behind():
     """After a plan, a model trained in the same process (a user's own loop) weighs its auxiliary terms itself
-    (Note [auxiliary loss]): the planned step's Loss, kept alive here as a reference cycle or a held traceback
-    would keep it, is no longer the stepping one."""
-    from parallel import loss as loss_module
+    (Note [auxiliary weight] in parallel/aux_weight.py): the planned step's weight was handed to the planned
+    model's layers, and nothing of it stays in the process."""
+    from parallel.models.moe import build_moe
 
-    kept = []
-    start_step = loss_module.Loss.start_step
+    def router_grad() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = build_moe(vocab_size=16, seq_len=8, dim=16, heads=2, layers=1, experts=4, top_k=2, aux_coef=0.5)
+        model(torch.randint(0, 16, (3, 8))).sum().backward()
+        return model.blocks[0].mlp.router.weight.grad
 
-    def keeping(self, *args, **kwargs):
-        kept.append(self)
-        return start_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(loss_module.Loss, "start_step", keeping)
+    before = router_grad()
     _planned("moe", MOE, 2, name="expert")
-    assert kept, "the plan ran no step"
-    assert loss_module.aux_sample_weight() is None
+    torch.testing.assert_close(router_grad(), before, rtol=0, atol=0)

@@ -5,16 +5,21 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from parallel.config import ConfigError
-from parallel.validate import to_config, validate
+from parallel.validate import to_config_with_data, validate
 from tests.unit.test_configs import CONF
 
 
-def typed(overrides, searchpath=None):
+def typed_with_data(overrides, searchpath=None):
+    """The typed config and what was read from its data (parallel.validate.to_config_with_data)."""
     GlobalHydra.instance().clear()
     if searchpath is not None:
         overrides = overrides + [f"hydra.searchpath=[file://{searchpath}]"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return to_config(compose(config_name="config", overrides=overrides))
+        return to_config_with_data(compose(config_name="config", overrides=overrides))
+
+
+def typed(overrides, searchpath=None):
+    return typed_with_data(overrides, searchpath)[0]
 
 
 def test_keyword_arguments_beside_the_target_join_args():
@@ -37,11 +42,11 @@ def test_a_user_config_directory_in_instantiate_shape(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.yaml").write_text("_target_: tests.user_data.regression\nn: 64\nworkers: 0\n")
     (tmp_path / "data" / "bare.yaml").write_text("_target_: tests.user_data.regression\n")
-    cfg = typed(["model=mine", "optim=sgd", "data=mine"], searchpath=tmp_path)
+    cfg, data = typed_with_data(["model=mine", "optim=sgd", "data=mine"], searchpath=tmp_path)
     assert cfg.model.name == "custom" and cfg.model.args == {"features": 8, "width": 8, "out": 2}  # read from the data
     assert cfg.optim.args == {"momentum": 0.9, "nesterov": True} and cfg.optim.lr == 0.05
     assert cfg.data.name == "custom" and cfg.data.args == {"n": 64}
-    validate(cfg, 1)
+    validate(cfg, 1, data)
     assert typed(["data=bare"], searchpath=tmp_path).data.name == "custom"  # a _target_ alone: the user's dataset
 
 

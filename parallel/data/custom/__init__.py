@@ -5,8 +5,9 @@
 `datasets.Dataset`, or an `IterableDataset`. Before any worker starts, the launching process builds it
 once and reads its first sample (probe.py): the input and target fields (`data.input_key` /
 `data.target_key`, or their defaults), the task and the sizes the built-in models read, and the input's
-shape and dtype (`data.spec`, which `example_input` hands the planner and the model checks). Workers
-receive these resolved and build the dataset again each.
+shape and dtype with the dataset's size (a DataSpec beside the config, Note [data spec] in
+parallel/data/spec.py, which `example_input` hands the planner and the model checks). Workers receive
+these resolved and build the dataset again each.
 
 Map-style (loader.py): the order is a function of (seed, epoch): each epoch permutes the samples not
 held out by `data.eval_fraction` (`data.shuffle=false`: the dataset's own order) and is cut into global

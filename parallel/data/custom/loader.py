@@ -114,7 +114,7 @@ class MapData(_Reader):
     processes (0: in this process) `data.prefetch` batches ahead each.
 
     Args:
-        cfg: the data config (resolved: keys and spec set from the first sample).
+        cfg: the data config (resolved: keys and sizes set from the first sample).
         seed, batch_size: the run's seed and global batch.
         dp_rank, dp_size: this rank's place among the data-parallel ranks.
         dataset, indices, shuffle: for evaluation (parallel.data.custom.evaluation): another dataset or the

@@ -21,6 +21,7 @@ from parallel.data.custom.dataset import (
     resolve_key,
 )
 from parallel.data.custom.split import check_split
+from parallel.data.spec import DataSpec
 from parallel.tensors import main_field
 
 
@@ -54,16 +55,17 @@ def _collated(key: str, target: Any, collate: Collate, sample: Any) -> tuple[Any
 
 
 def _input_spec(x: Any) -> dict:
-    """data.spec's input entries: the main field's `input`, and every field's by name (`named`)."""
+    """A DataSpec's input entries: the main field's `input`, and every field's by name (`named`)."""
     spec = {"input": _spec(main_field(x))}
     if isinstance(x, dict):
         spec["named"] = {k: _spec(v) for k, v in x.items()}
     return spec
 
 
-def read_custom_hints(d) -> dict:
-    """The keys data=custom sets from the first sample: the task (when data.task=auto), the sizes the built-in
-    models read, the resolved input and target keys, and `data.spec` (shapes, dtypes, sample count).
+def read_custom_hints(d) -> tuple[dict, DataSpec]:
+    """The keys data=custom sets from the first sample (the task when data.task=auto, the sizes the built-in
+    models read, the resolved input and target keys), and the DataSpec of its fields and size (Note [data
+    spec] in parallel/data/spec.py).
 
     Args:
         d: the composed data section (a DictConfig or DataConfig) before interpolations resolve.
@@ -77,13 +79,11 @@ def read_custom_hints(d) -> dict:
     named, y = _collated("data._target_", target, Collate(ik, tk, user), sample)
     x = main_field(named)  # the field the task and the sizes are read from (Note [inputs by name])
     task = infer_task(x, y) if d.task == "auto" else d.task
-    hints: dict[str, Any] = {
-        "task": task, "input_key": ik, "target_key": tk,
-        "inputs": "features" if x.is_floating_point() else "tokens",
-        "spec": {**_input_spec(named), "target": _spec(y), "iterable": is_iterable(ds),
-                 "samples": None if is_iterable(ds) else len(ds),
-                 "shards": check_split("data._target_", target, ds) if is_iterable(ds) else None},
-    }
+    hints: dict[str, Any] = {"task": task, "input_key": ik, "target_key": tk,
+                             "inputs": "features" if x.is_floating_point() else "tokens"}
+    spec = {**_input_spec(named), "target": _spec(y), "iterable": is_iterable(ds),
+            "samples": None if is_iterable(ds) else len(ds),
+            "shards": check_split("data._target_", target, ds) if is_iterable(ds) else None}
     if x.is_floating_point():
         hints["features"] = x.numel()
     elif x.dim() >= 1:
@@ -97,8 +97,8 @@ def read_custom_hints(d) -> dict:
         _below("data.vocab_size", hints["vocab_size"], y, "target")
     eval_cfg = _plain(d.eval) or {}
     if eval_cfg.get("_target_"):
-        hints["spec"]["eval_samples"] = _check_eval_sample(eval_cfg, Collate(ik, tk, user), named, y)
-    return hints
+        spec["eval_samples"] = _check_eval_sample(eval_cfg, Collate(ik, tk, user), named, y)
+    return hints, DataSpec(**spec)
 
 
 def _size(ds: Any, names: tuple, field: str, key: str, configured: int, t: torch.Tensor, what: str) -> int:
@@ -134,10 +134,9 @@ def _check_eval_sample(eval_cfg: dict, collate: Collate, x: Any, y: torch.Tensor
     return None if is_iterable(ds) else len(ds)
 
 
-def check_custom(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
-    """data=custom's settings, after the first sample was read (`read_custom_hints`); `eval_every`:
-    trainer.eval_every, which needs evaluation data."""
-    spec = d.spec or {}
+def check_custom(d: DataConfig, spec: DataSpec, batch_size: int, eval_every: int = 0) -> None:
+    """data=custom's settings, after the first sample was read (`read_custom_hints`, which gave `spec`);
+    `eval_every`: trainer.eval_every, which needs evaluation data."""
     if not d._target_:
         fail("data._target_", d._target_, "data=custom needs the dataset's factory", "package.module.callable")
     if not 0 <= d.eval_fraction < 1:
@@ -149,18 +148,18 @@ def check_custom(d: DataConfig, batch_size: int, eval_every: int = 0) -> None:
              "(a dataset of its own) or data.eval_fraction (a part of the training set held out)")
     if d.collate and set(d.collate) - {"_target_"}:
         fail("data.collate", dict(d.collate), "takes only _target_ (a function of a list of samples)")
-    if spec.get("iterable") and d.eval_fraction:
+    if spec.iterable and d.eval_fraction:
         fail("data.eval_fraction", d.eval_fraction, "an iterable dataset has no samples to hold out by "
              "position; give data.eval a dataset of its own")
-    n = spec.get("samples") or 0
+    n = spec.samples or 0
     held = held_out_count(n, d.eval_fraction)
     if d.eval_fraction and held < batch_size:
         fail("data.eval_fraction", d.eval_fraction, f"holds out {held} of {n} samples, fewer than one global "
              f"batch (trainer.batch_size={batch_size}) to evaluate")
-    if spec.get("eval_samples") is not None and spec["eval_samples"] < batch_size:
-        fail("data.eval._target_", d.eval["_target_"], f"the evaluation dataset has {spec['eval_samples']} "
+    if spec.eval_samples is not None and spec.eval_samples < batch_size:
+        fail("data.eval._target_", d.eval["_target_"], f"the evaluation dataset has {spec.eval_samples} "
              f"samples, fewer than one global batch (trainer.batch_size={batch_size})")
-    if not spec.get("iterable") and n - held < batch_size:
+    if not spec.iterable and n - held < batch_size:
         fail("data._target_", d._target_, f"the dataset has {n - held} samples to train on"
              f"{f' ({held} held out)' if held else ''}, fewer than one global batch (trainer.batch_size="
              f"{batch_size})")

@@ -67,6 +67,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.aux_weight import AuxWeights
 from parallel.blocks import candidates
 from parallel.config import Config, RunError
 from parallel.data import example_input
@@ -130,6 +131,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
                  run_dir: Path, loss: Loss):
         s, device = cfg.strategy, runtime.device
         self.cfg, self.device, self.loss, self.model = cfg, device, loss, model
+        self.aux = AuxWeights([model])  # Note [auxiliary weight] in parallel/aux_weight.py
         _return_freed_memory()
         self.counters = {kind: Counters() for kind in ("params", "optimizer", "activations")}
         self.waits = Counters()
@@ -215,6 +217,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
             self.acts.reset()
         features = self.lookahead.features(x) if self.n_ahead else None
         self.loss.start_step(y, None, 1)  # one process: the whole global batch, no accumulation
+        self.aux.set(self.loss.aux_weight)
         with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
             with autocast(self.cfg, self.device):
                 out = call_model(self.model, x) if features is None else self.model.trainable_forward(features)
@@ -304,7 +307,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
 
 def build_offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
     """strategy=offload: this process's engine, the model streamed block by block (Note [offload engine])."""
-    names, _ = candidates(model, *as_call(example_input(cfg.data)))
+    names, _ = candidates(model, *as_call(example_input(cfg.data, spec=runtime.data)))
     if runtime.run_dir is None and cfg.strategy.path is None:
         raise ValueError("strategy=offload keeps its disk tier in the run directory (Runtime.run_dir) or in "
                          "strategy.path; this build has neither")

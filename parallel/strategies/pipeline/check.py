@@ -33,14 +33,15 @@ def check_pipeline(cfg: Config, per_rank: int) -> None:
              f"strategy.microbatches", s.microbatches, why)
 
 
-def check_split(model: nn.Module, cfg: Config) -> None:
-    """The model (on meta) traces into the configured stages; bad split points are named.
+def check_split(model: nn.Module, cfg: Config, data=None) -> None:
+    """The model (on meta) traces into the configured stages; bad split points are named (`data`: what was read
+    from the data, parallel.data.spec.DataSpec).
 
     The same plan_split a worker runs, with blocks weighed by FLOPs: timing them
     here would only slow the check, and the balanced split it finds is not kept
     (nor traced again when the boundaries' trace already answers for it).
     """
-    split = plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False), trace_split=False)
+    split = plan_split(model, cfg, cfg.strategy.dp, Runtime(time_blocks=False, data=data), trace_split=False)
     inner = [n for n in split.blocks if nested(model, n)]
     if inner:
         # Note [torch versions] in parallel/torch_compat.py: such stages hand integer tensors on.

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from parallel.aux_weight import AuxWeights
 from parallel.config import Config, bf16_run
 from parallel.dims import batch_mesh, data_mesh
 from parallel.engine import Engine, evaluating, grad_average
@@ -62,7 +63,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
     swap = (transform or compiles) and own_blocks(model, split.blocks)  # Note [own or traced blocks]
     stages, modules, tied = build_stages(
         split, mesh, runtime, plan, compute_time, schedules.stage_ranks(s.schedule, s.pp, s.stages_per_rank),
-        example_microbatch(cfg, dp), bf16=bf16_run(cfg), recompute=recomputing(cfg), compiles=compiles,
+        example_microbatch(cfg, dp, runtime.data), bf16=bf16_run(cfg), recompute=recomputing(cfg), compiles=compiles,
         model=model if swap else None, transform=transform, shape_transform=shape_transform)
     groups: dict[str, list[str]] = {}
     for name, entry in plan.items():
@@ -93,6 +94,7 @@ class PipelineEngine(Engine):
         self.tied_names = tied_names
         self.cfg, self.mesh, self.split, self.stages, self.tied = cfg, mesh, split, stages, tied
         self.model = nn.ModuleList(modules)  # what the optimizer and the memory watch see
+        self.aux = AuxWeights(modules)  # Note [auxiliary weight] in parallel/aux_weight.py
         self.m = microbatches(cfg)
         cls = schedules.schedule_class(s.schedule)
         multi = schedules.is_multi_stage(s.schedule)
@@ -120,6 +122,7 @@ class PipelineEngine(Engine):
         # Every stage reads the batch, so each counts the targets itself; only the last one uses the count.
         scale = grad_average(self.loss_group)
         self.loss.start_step(y, self.loss_group, scale)
+        self.aux.set(self.loss.aux_weight)
         self.compute_time.reset()
         t0 = time.perf_counter()
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses, return_outputs=False)

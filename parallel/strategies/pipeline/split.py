@@ -40,12 +40,13 @@ def microbatches(cfg: Config) -> int:
     return cfg.strategy.microbatches  # filled by parallel.validate.resolve
 
 
-def example_microbatch(cfg: Config, dp: int) -> tuple:
-    """The positional inputs of one microbatch (meta tensors), as the data source will hand them out; under
+def example_microbatch(cfg: Config, dp: int, data=None) -> tuple:
+    """The positional inputs of one microbatch (meta tensors), as the data source will hand them out (`data`:
+    Runtime.data); under
     context parallelism (strategy=hybrid), this rank's chunks of each sequence and their positions (Note
     [context parallelism under the pipeline] in parallel/strategies/context/__init__.py)."""
     # One input tensor: inputs by name are refused under pipeline (Note [inputs by name] in parallel/tensors.py).
-    example = (example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg)),)
+    example = (example_input(cfg.data, batch=cfg.trainer.batch_size // dp // microbatches(cfg), spec=data),)
     cp = cfg.strategy.cp
     if cp == 1:
         return example
@@ -66,7 +67,7 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime, trace_s
     """
     s = cfg.strategy
     n_stages = s.pp * s.stages_per_rank
-    example = example_microbatch(cfg, dp)
+    example = example_microbatch(cfg, dp, runtime.data)
     try:
         names, inputs = candidates(model, *by_name(example))
     except Exception as e:  # the forward failed on meta tensors: same cause as a failed trace

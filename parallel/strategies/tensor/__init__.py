@@ -207,7 +207,7 @@ def _tied(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
     """strategy=model: shard `model` (on meta) over the mesh's `tp` dimension by its plan, in place."""
-    s, example = cfg.strategy, as_call(example_input(cfg.data))[0]
+    s, example = cfg.strategy, as_call(example_input(cfg.data, spec=runtime.data))[0]
     shard(model, mesh, tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example))
     return model
 
@@ -222,11 +222,12 @@ def check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
              f"sequence parallelism shards between tensor-parallel layers: it needs {rule}")
 
 
-def check_plan(model: nn.Module, cfg: Config) -> None:
+def check_plan(model: nn.Module, cfg: Config, data=None) -> None:
     """The plan resolves against the model (on meta): styles known, patterns matched, widths and head counts
     divisible, tied weights split alike; and a rank's forward and backward under it, rehearsed on fake tensors,
-    give the whole model's output shapes (Note [plan rehearsal] in parallel/strategies/tensor/rehearse.py)."""
-    s, example = cfg.strategy, as_call(example_input(cfg.data))[0]
+    give the whole model's output shapes (Note [plan rehearsal] in parallel/strategies/tensor/rehearse.py).
+    `data`: what was read from the data (parallel.data.spec.DataSpec)."""
+    s, example = cfg.strategy, as_call(example_input(cfg.data, spec=data))[0]
     plan, source = _resolve(model, s.tp, s.tp_plan, s.sequence_parallel, example)
     if source == "model" and type(model).__module__.startswith("parallel."):
         return  # a built-in model's own plan, proven against single by the suite (Note [plan rehearsal])
