@@ -13,6 +13,20 @@ The mesh is (dp, ep, pp, cp, tp), tp innermost; every dimension is always presen
 The dense (non-expert) weights are data-parallel over dp x ep x cp (`data_mesh`): every rank of that flattened
 submesh holds the same dense pieces and computes gradients over different tokens. A batch is split over
 dp x ep (`batch_mesh`).
+
+# Note [hybrid sharding]
+strategy.dp_replicate = R (zero 2 and 3) is PyTorch's HSDP: FSDP2's `fully_shard` over a 2-D mesh
+(dp_replicate, dp_shard), the dense weights' data-parallel ranks (`data_mesh`, N = dp x ep x cp of them)
+unflattened into R groups of N / R (`fsdp_mesh`). A parameter is Shard(0) over the N / R ranks of its group and
+Replicate over the R groups, so a rank holds 1 / (N / R) of the weights (zero 3), gradients and optimizer state, R
+times what sharding over all N holds; a gradient is reduce-scattered within the group, then its shard all-reduced
+across the R groups, and the all-gathers of zero 3 stay inside the group. The groups are consecutive blocks of dp
+(replicate outermost, as the mesh's dimensions are), so with torchrun's numbering a group spans the fewest nodes
+and the all-reduce of the shards, 1 / (N / R) of the gradients, is the only data-parallel traffic between groups.
+R = 1 (or unset) is one group of all N ranks: plain FSDP2. Zero 0 holds every weight whole on every rank and
+zero 1 shards only the optimizer state, over all N; neither has a sharded group to replicate, so R above 1 is
+refused there, as under hybrid with ep > 1, whose experts are FSDP2 units of their own over mesh["dp"]
+(parallel.strategies.data.check_replicas).
 """
 from __future__ import annotations
 
@@ -114,6 +128,16 @@ def _flat(mesh: DeviceMesh, names: tuple[str, ...], name: str) -> DeviceMesh:
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks that hold the same dense weights: dp x ep x cp, flattened (Note [mesh dimensions])."""
     return _flat(mesh, ("dp", "ep", "cp"), "dp_ep_cp")
+
+
+def fsdp_mesh(mesh: DeviceMesh, replicas: int | None = None) -> DeviceMesh:
+    """The mesh FSDP2 spreads the dense weights over: `data_mesh`, or with `replicas` (strategy.dp_replicate)
+    above 1 that mesh unflattened into (dp_replicate, dp_shard), `replicas` groups of consecutive ranks (Note
+    [hybrid sharding]). Each call makes the 2-D mesh's process groups anew: a builder asks once."""
+    dense = data_mesh(mesh)
+    if (replicas or 1) == 1:
+        return dense
+    return dense._unflatten(0, (replicas, dense.size() // replicas), ("dp_replicate", "dp_shard"))
 
 
 def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:

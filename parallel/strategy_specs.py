@@ -67,6 +67,10 @@ class StrategyConfig(StrategyBase):
     # 0: DDP, 1: optimizer state sharded, 2: + gradients (FSDP2, no reshard
     # after forward), 3: + parameters (FSDP2, reshard after forward).
     zero: int = 0
+    # Zero 2 and 3 (HSDP): replicas of the sharded group; FSDP2 shards over groups of dp / dp_replicate ranks
+    # and all-reduces the gradient shards across the dp_replicate groups. None or 1: one group of all dp ranks
+    # (Note [hybrid sharding] in parallel/dims.py).
+    dp_replicate: Optional[int] = None
     # Pipeline degree (ranks in one pipeline); None derives it from the world size.
     pp: Optional[int] = None
     # PyTorch schedule name, case-insensitive (see parallel.strategies.pipeline.schedules).
@@ -140,7 +144,7 @@ class StrategySpec:
 
 # The keys of each piece; a strategy that composes pieces takes theirs.
 ACTIVATIONS = ("activations",)  # every strategy that builds: device, or checkpoint (offload: its tiers too)
-DATA = ("dp", "zero", "sync_batchnorm")
+DATA = ("dp", "dp_replicate", "zero", "sync_batchnorm")
 PIPELINE = ("pp", "schedule", "microbatches", "stages_per_rank", "split_points", "balance")
 TENSOR = ("tp", "tp_plan", "sequence_parallel")
 CONTEXT = ("cp", "zero")

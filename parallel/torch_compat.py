@@ -88,6 +88,7 @@ ALWAYS = (
     "torch.distributed._composable:checkpoint", "torch.distributed._functional_collectives:all_to_all_single_autograd",
     "torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
     "torch.distributed.distributed_c10d:_resolve_process_group", "torch.distributed.device_mesh:DeviceMesh._flatten",
+    "torch.distributed.device_mesh:DeviceMesh._unflatten",
     "torch.distributed.distributed_c10d:_set_pg_timeout", "torch.distributed.distributed_c10d:_world",
     "torch.testing._internal.distributed.fake_pg:FakeStore",
     "torch._dynamo.callback:CallbackArgs", "torch._dynamo.callback:callback_handler",

@@ -101,19 +101,25 @@ def sends_held_by_their_works():
 
 @contextlib.contextmanager
 def meshes_outside_fake():
-    """Device meshes made while building (FSDP over tensor-parallel parameters joins two) compute their
-    coordinates with tensor ops on real values: `DeviceMesh.__init__` runs outside the fake mode."""
-    init = DeviceMesh.__init__
+    """Device meshes made while building (FSDP over tensor-parallel parameters joins two; hybrid sharding
+    unflattens the data-parallel ranks, Note [hybrid sharding] in parallel/dims.py) compute their coordinates and
+    their process groups' ranks with tensor ops on real values: `DeviceMesh.__init__` and `DeviceMesh._unflatten`
+    (which makes its mesh's groups after `__init__`) run outside the fake mode."""
+    init, unflatten = DeviceMesh.__init__, DeviceMesh._unflatten
 
     def real_init(self, *args, **kwargs):
         with unset_fake_temporarily():
             init(self, *args, **kwargs)
 
-    DeviceMesh.__init__ = real_init
+    def real_unflatten(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return unflatten(self, *args, **kwargs)
+
+    DeviceMesh.__init__, DeviceMesh._unflatten = real_init, real_unflatten
     try:
         yield
     finally:
-        DeviceMesh.__init__ = init
+        DeviceMesh.__init__, DeviceMesh._unflatten = init, unflatten
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from parallel.profiling import check_profile
 from parallel.strategies import check_strategy
 from parallel.strategies.compile import check_compile
 from parallel.strategies.context import check_context
+from parallel.strategies.data import check_replicas
 from parallel.strategies.expert import check_experts
 from parallel.strategies.offload.check import check_offload_disk
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
@@ -180,7 +181,7 @@ def validate(cfg: Config, world_size: int, data: DataSpec | None = None) -> None
     #    degrees derived from the world size, then the keys that depend on them.
     check_strategy(cfg, world_size)
     resolve(cfg, world_size)
-    check_tensor_keys(s, tensor_parallel(s))
+    _check_degree_keys(s)
     _check_inputs_by_name(cfg, data)
     per_rank = _check_batch(cfg)
     if pipelined(s):
@@ -216,6 +217,13 @@ def _derive(cfg: Config, data: DataSpec) -> None:
     targets that go to the forward by name, the model's own loss (`loss.name=output`)."""
     derive_auto_class(cfg.model, cfg.data.task)
     derive_output_loss(cfg.loss, list(data.named or ()), cfg.data.target_key)
+
+
+def _check_degree_keys(s: StrategyConfig) -> None:
+    """The strategy keys whose meaning depends on the derived degrees: the tensor-parallel keys (tp > 1) and the
+    replicas of hybrid sharding (a divisor of dp)."""
+    check_tensor_keys(s, tensor_parallel(s))
+    check_replicas(s)
 
 
 def _check_inputs_by_name(cfg: Config, data: DataSpec) -> None:

@@ -4,7 +4,10 @@
 Candidates for W workers (the other strategy keys keep their defaults):
     W = 1   single; offload with activations on the device, recomputed
             (checkpoint) or on the tier below
-    W > 1   data with zero 0, 1, 2, 3; model (tensor parallel over W); pipeline
+    W > 1   data with zero 0, 1, 2, 3, and zero 3 sharded within groups of
+            W / R ranks for each divisor 1 < R < W of W (hybrid sharding,
+            strategy.dp_replicate=R: Note [hybrid sharding] in parallel/dims.py);
+            model (tensor parallel over W); pipeline
             over W (balanced by parameters, so the run cuts where the plan did);
             hybrid for every factorization of W into two degrees: dp x pp,
             dp x tp and dp x cp, each with zero 0 and 3; context (cp over W)
@@ -98,6 +101,10 @@ def candidates(world: int, microbatches: int | None = None, experts: bool = Fals
         return [Candidate(f"{name} m{m}", [*overrides, f"strategy.microbatches={m}"]) for m in (pp, 2 * pp, 4 * pp)]
 
     out = [Candidate(f"data zero {z}", ["strategy=data", f"strategy.zero={z}"]) for z in range(4)]
+    # Hybrid sharding: R replicas of a zero 3 group; R = W would shard over groups of one rank (zero 0's memory).
+    out += [Candidate(f"data zero 3 dp_replicate {r}", ["strategy=data", "strategy.zero=3",
+                                                        f"strategy.dp_replicate={r}"])
+            for r in range(2, world) if world % r == 0]
     out.append(Candidate(f"model tp{world}", ["strategy=model"]))
     # Context parallelism: each sequence split over the ranks; it applies to a causal transformer on token
     # sequences (validate drops it for other models), and is what fits when a batch of long sequences is too

@@ -22,7 +22,9 @@ Receives and waits send nothing, nor does a group of one rank (W = 1 gives
 0). The built-in strategies make: all-reduces (DDP's buckets, which the
 planner adds itself, Note [planner]; the loss's token count; tensor
 parallelism's partial sums; context parallelism's key and value gradients;
-FSDP2's replicate), all-gathers and reduce-scatters (FSDP2, tensor
+FSDP2's replicate; hybrid sharding's gradient shards across the replicas,
+over a group of dp_replicate ranks: Note [hybrid sharding] in
+parallel/dims.py), all-gathers and reduce-scatters (FSDP2, tensor
 parallelism, context parallelism's keys and values), all-to-alls (expert
 parallelism), broadcasts (ZeRO-1's parameters after the step) and sends
 (the pipeline's). The ops are matched by name with underscores dropped, so the

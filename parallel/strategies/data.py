@@ -9,6 +9,9 @@ replicate or shard the dense weights over their data-parallel ranks by `strategy
     zero=3  FSDP2 fully_shard, parameters resharded after forward (the root's after backward, which
             starts with them): everything sharded.
 
+At zero 2 and 3, strategy.dp_replicate = R shards within R groups of the data-parallel ranks and replicates
+across them (PyTorch's HSDP: Note [hybrid sharding] in parallel/dims.py).
+
 Replication is DDP's (composable `replicate`: buckets all-reduced while backward runs) where the weights are
 plain tensors and the whole model is on the rank (strategy=data and context); FSDP2's replicate where DDP
 cannot go: DTensor weights of tensor parallelism, pipeline stages (their per-microbatch gradient-sync switch),
@@ -39,8 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from parallel.batchnorm import sync_batchnorm
-from parallel.config import Config, bf16_run
-from parallel.dims import data_mesh
+from parallel.config import Config, StrategyConfig, bf16_run, fail, positive
+from parallel.dims import data_mesh, fsdp_mesh
 from parallel.optim import StateSharding
 from parallel.runtime import Runtime
 
@@ -76,7 +79,7 @@ def mixed_precision(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) 
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, zero: int,
+def data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
                   param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, ddp: bool, replicate_fn=None) -> None:
     """Replicate or shard `module` over the dense weights' data-parallel ranks (dp x ep x cp, Note [mesh
     dimensions] in parallel/dims.py), in place, by ZeRO level.
@@ -84,6 +87,8 @@ def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, 
     Args:
         blocks: its repeated blocks: FSDP2 units of their own, so that one block's weights are gathered
             (and, replicated, reduced) at a time; then `module` itself.
+        dp_mesh: those ranks (`fsdp_mesh`): 1-D, or at zero 2 and 3 the 2-D (dp_replicate, dp_shard) mesh of
+            hybrid sharding (Note [hybrid sharding]), which fully_shard takes as HSDP.
         zero: strategy.zero (0-3, the module's docstring).
         param_dtype, reduce_dtype: the run's precision (`precision`, Note [mixed precision]): FSDP2 gathers
             and computes in `param_dtype` (None: the parameters' own) and reduces gradients in `reduce_dtype`;
@@ -92,7 +97,6 @@ def data_parallel(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, 
         replicate_fn: the planner's stand-in for DDP's replicate (DDP's reducer cannot run on fake tensors,
             Note [runtime]); None: DDP's own.
     """
-    dp_mesh = data_mesh(mesh)
     if zero <= 1 and ddp:
         # The composable form of DDP keeps parameter names unchanged (no `module.` prefix) and builds its
         # reducer lazily at the first forward, after the model has been materialized and initialized.
@@ -148,6 +152,28 @@ def apply_data(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime
     """strategy=data and context: replicate or shard `model` over the data-parallel ranks, in place."""
     if cfg.strategy.sync_batchnorm:  # Note [batch norm]: before DDP or FSDP2 wrap the layers
         sync_batchnorm(model, data_mesh(mesh).get_group())
-    data_parallel(model, blocks_of(model), mesh, cfg.strategy.zero, *precision(cfg), ddp=True,
-                  replicate_fn=runtime.replicate)
+    data_parallel(model, blocks_of(model), fsdp_mesh(mesh, cfg.strategy.dp_replicate), cfg.strategy.zero,
+                  *precision(cfg), ddp=True, replicate_fn=runtime.replicate)
     return model
+
+
+def check_replicas(s: StrategyConfig) -> None:
+    """strategy.dp_replicate (resolved degrees): an integer >= 1 dividing dp, above 1 only where there is a
+    sharded group to replicate, zero 2 and 3 without expert parallelism (Note [hybrid sharding])."""
+    r = s.dp_replicate
+    if r is None:
+        return
+    positive("strategy.dp_replicate", r)
+    if r == 1:
+        return
+    if s.zero < 2:
+        held = "holds every weight whole on every rank" if s.zero == 0 else "shards the optimizer state alone, " \
+            "over every dp rank"
+        fail("strategy.dp_replicate", r, f"replicas of a sharded group need strategy.zero 2 or 3 (FSDP2); zero "
+             f"{s.zero} {held}", [1, "strategy.zero=2", "strategy.zero=3"])
+    if s.ep > 1:
+        fail("strategy.dp_replicate", r, f"with strategy.ep={s.ep} the experts are FSDP2 units of their own over "
+             f"dp; hybrid sharding covers the dense weights of strategy=data and hybrid without experts", [1])
+    if s.dp % r:
+        fail("strategy.dp_replicate", r, f"must divide the data-parallel degree strategy.dp={s.dp}: the dp ranks "
+             f"split into {r} groups of equal size", [d for d in range(1, s.dp + 1) if s.dp % d == 0])

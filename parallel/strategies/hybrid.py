@@ -28,7 +28,9 @@ working on what the one before left:
      replicates and shards the optimizer state (Note [ZeRO 1] in
      parallel/optim.py; experts' state over their own dp ranks); zero=2 shards
      gradients and optimizer state, keeping parameters gathered from forward to
-     backward; zero=3 shards parameters too.
+     backward; zero=3 shards parameters too. At zero 2 and 3,
+     strategy.dp_replicate = R shards within R groups of those ranks and
+     replicates across them (HSDP: Note [hybrid sharding] in parallel/dims.py).
   4. materialization: every piece is allocated and initialized by name
      (Note [initialization by name]), so the run starts from the single-device
      weights whatever the mesh.
@@ -46,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallel.batchnorm import sync_batchnorm
 from parallel.config import Config
 from parallel.data import example_input
-from parallel.dims import batch_mesh, data_mesh
+from parallel.dims import batch_mesh, data_mesh, fsdp_mesh
 from parallel.engine import Engine
 from parallel.init import InitPlan, materialize_and_init
 from parallel.loss import build_loss
@@ -77,6 +79,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         tp_plan = tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example)
     param_dtype, reduce_dtype = precision(cfg)  # Note [mixed precision]
     policy = mixed_precision(param_dtype, reduce_dtype)  # the experts' own units'
+    # Once for every stage of the rank: a 2-D mesh of hybrid sharding has process groups of its own.
+    dp_mesh = fsdp_mesh(mesh, s.dp_replicate) if data_mesh(mesh).size() > 1 else None
 
     def pieces(module: nn.Module, blocks: list[nn.Module]) -> None:  # steps 2 and 3, on one module
         if s.pp > 1 and sequence is not None:  # a stage's blocks: their attention over the cp ranks
@@ -90,12 +94,12 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
             held |= {id(e) for e in shard_hf_experts(module, mesh, s.zero, policy)}
             present = {id(m) for m in module.modules()}
             blocks = [b for b in blocks if id(b) in present and id(b) not in held]
-        if data_mesh(mesh).size() > 1:
+        if dp_mesh is not None:
             if s.sync_batchnorm:  # Note [batch norm]: BatchNorm statistics over the dp ranks
                 sync_batchnorm(module, batch_mesh(mesh).get_group())
             # FSDP2's replicate, not DDP, for zero 0 and 1: DDP does not take the DTensor parameters tensor
             # parallelism leaves, nor the per-microbatch gradient-sync switch PipelineStage drives.
-            data_parallel(module, blocks, mesh, s.zero, param_dtype, reduce_dtype, ddp=False)
+            data_parallel(module, blocks, dp_mesh, s.zero, param_dtype, reduce_dtype, ddp=False)
 
     if s.pp > 1:
         sequence = sequence_shard(mesh)  # Note [context parallelism under the pipeline]

@@ -11,11 +11,17 @@ def single(reference):
     return reference(cli.FAST + ARGS)
 
 
+# name -> (processes, strategy keys): every ZeRO level on 2 ranks; hybrid sharding (Note [hybrid sharding] in
+# parallel/dims.py) on 4, sharded within 2 groups of 2 ranks and replicated across them.
+CASES = {**{f"zero{z}": (2, [f"strategy.zero={z}"]) for z in range(4)},
+         "zero3_dp_replicate2": (4, ["strategy.zero=3", "strategy.dp_replicate=2"])}
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_data_parallel_matches_single(single, tmp_path, zero):
-    cli.run(cli.FAST + ARGS + ["nproc=2", "strategy=data", f"strategy.zero={zero}", f"run_dir={tmp_path}"],
-            cwd=tmp_path)
+@pytest.mark.parametrize("case", list(CASES))
+def test_data_parallel_matches_single(single, tmp_path, case):
+    nproc, keys = CASES[case]
+    cli.run(cli.FAST + ARGS + [f"nproc={nproc}", "strategy=data", *keys, f"run_dir={tmp_path}"], cwd=tmp_path)
     cli.assert_same_training(tmp_path, single)
     assert len(cli.metrics(tmp_path)) == 6
 

@@ -160,6 +160,10 @@ USER_MISTAKES = [
     (["trainer.stepz=5"], "config error: trainer.stepz=5: no such key of trainer; did you mean trainer.steps? "),
     (["trainer.steps=abc"], "config error: trainer.steps=abc: Value 'abc' of type 'str' could not be converted to "
                             "Integer"),
+    # hybrid sharding's replicas split the dp ranks into equal groups (Note [hybrid sharding])
+    (["nproc=4", "strategy=data", "strategy.zero=3", "strategy.dp_replicate=3"],
+     "config error: strategy.dp_replicate=3: must divide the data-parallel degree strategy.dp=4: the dp ranks split "
+     "into 3 groups of equal size (valid: [1, 2, 4])"),
     # a forward the batch cannot fill fails before the first step, not with a TypeError in it
     (["model=custom", "model._target_=tests.user_model.needs_a_mask"],
      "config error: model._target_='tests.user_model.needs_a_mask': its forward(x, mask) takes arguments a batch "

@@ -22,6 +22,8 @@ HF = ["model=custom", "data.task=lm", "data.seq_len=16", "trainer.batch_size=64"
 CASES = {
     "data_zero0": (2, BIG + ["strategy=data"]),
     "data_zero3": (2, BIG + ["strategy=data", "strategy.zero=3"]),
+    # Hybrid sharding (HSDP): sharded within 2 groups of 2 ranks, the gradient shards all-reduced across them.
+    "data_zero3_dp_replicate2": (4, BIG + ["strategy=data", "strategy.zero=3", "strategy.dp_replicate=2"]),
     # Another optimizer's state (one momentum buffer per weight), sharded by ZeRO-1.
     "data_zero1_sgd": (2, BIG + ["strategy=data", "strategy.zero=1", "optim._target_=torch.optim.SGD",
                                  "+optim.args.momentum=0.9"]),

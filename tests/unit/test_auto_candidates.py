@@ -37,3 +37,11 @@ def test_expert_parallelism_is_tried_for_models_with_experts():
     names = [c.name for c in candidates(4, experts=True)]
     assert {"expert ep4 zero 0", "expert ep4 zero 3", "hybrid dp2 x ep2 zero 3"} <= set(names)
     assert not any(" ep" in c.name for c in candidates(4))
+
+
+def test_hybrid_sharding_is_tried_for_each_proper_divisor_of_the_world():
+    """Note [auto]: zero 3 in R groups for 1 < R < W; none on 2 ranks, where R = 2 would shard nothing."""
+    hsdp = [c for c in candidates(8) if "dp_replicate" in c.name]
+    assert [c.name for c in hsdp] == ["data zero 3 dp_replicate 2", "data zero 3 dp_replicate 4"]
+    assert hsdp[0].overrides == ["strategy=data", "strategy.zero=3", "strategy.dp_replicate=2"]
+    assert not any("dp_replicate" in c.name for c in candidates(2))

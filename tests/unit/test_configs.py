@@ -96,7 +96,10 @@ OTHERS_KEYS = [
                                                "'stages_per_rank'])"),
     (["strategy=data", "strategy.schedule=GPipe"], "strategy.schedule='GPipe': not a key of strategy=data, but of "
                                                    "strategy=pipeline, hybrid, auto (valid: ['activations', 'dp', "
-                                                   "'sync_batchnorm', 'zero'])"),
+                                                   "'dp_replicate', 'sync_batchnorm', 'zero'])"),
+    # Replicas of a sharded group: data's and hybrid's (Note [hybrid sharding] in parallel/dims.py).
+    (["strategy=context", "strategy.dp_replicate=2"], "strategy.dp_replicate=2: not a key of strategy=context, but "
+                                                      "of strategy=data, hybrid"),
     (["strategy.bogus=2"], "strategy.bogus=2: not a key of strategy=single, nor of another strategy (valid: "
                            "['activations'])"),
     (["strategy=single", "strategy.dp=2"], "strategy.dp=2: not a key of strategy=single, but of strategy=data, hybrid"),

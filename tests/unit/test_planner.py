@@ -60,6 +60,19 @@ def test_data_zero_3_sends_the_gathers_and_reduce_scatters():
     assert _planned("gpt", GPT, 2, name="data", zero=3).comm_bytes == gathers + reduce_scatters + COUNT
 
 
+def test_hybrid_sharding_sends_the_groups_gathers_and_the_replicas_all_reduce():
+    """HSDP, 4 ranks in 2 groups of 2 (Note [hybrid sharding] in parallel/dims.py): zero 3's gathers and
+    reduce-scatters over a group of 2, then each gradient shard all-reduced across the 2 groups, sending
+    2 (R - 1) / R x the shard; the loss's count over all 4 ranks."""
+    model = build_meta_model(_config("gpt", GPT).model)
+    blocks = sum(_bytes(b) for b in blocks_of(model))
+    root = _bytes(model) - blocks
+    gathers, reduce_scatters, shards = (2 * blocks + root) // 2, (blocks + root) // 2, (blocks + root) // 2
+    planned = _planned("gpt", GPT, 4, name="data", zero=3, dp_replicate=2)
+    assert planned.work["comm"]["allreduce/2"][1] == shards  # handed the shards: 1 / 2 of the gradients
+    assert planned.comm_bytes == gathers + reduce_scatters + 2 * (2 - 1) * shards // 2 + 2 * 3 * COUNT // 4
+
+
 def _all_to_all_formula(dp: int, ep: int) -> int:
     """Note [auto]: per MoE layer 4 x n x k x d x b x (ep - 1) / ep, plus the counts' E x 8 x (ep - 1) / ep."""
     n, k, experts, fp32 = BATCH // (dp * ep) * SEQ, MOE["top_k"], MOE["experts"], 4

@@ -58,6 +58,12 @@ BAD = [
     ({"strategy__name": "hybrid", "strategy__tp": 3}, 3, "strategy.tp"),  # hidden 64 over tp 3
     ({"strategy__name": "hybrid", "strategy__pp": 2, "strategy__microbatches": 3}, 4, "strategy.microbatches"),
     ({"strategy__name": "model", "strategy__zero": 2}, 2, "strategy.zero"),
+    # Hybrid sharding (Note [hybrid sharding]): replicas of a sharded group, dividing dp.
+    ({"strategy__name": "data", "strategy__zero": 3, "strategy__dp_replicate": 3}, 4, "strategy.dp_replicate"),
+    ({"strategy__name": "data", "strategy__zero": 3, "strategy__dp_replicate": 0}, 4, "strategy.dp_replicate"),
+    ({"strategy__name": "data", "strategy__zero": 1, "strategy__dp_replicate": 2}, 4, "strategy.dp_replicate"),
+    ({"strategy__name": "hybrid", "strategy__zero": 3, "strategy__dp": 2, "strategy__tp": 2,
+      "strategy__dp_replicate": 4}, 4, "strategy.dp_replicate"),  # more than dp
     ({"strategy__name": "single", "strategy__sync_batchnorm": True}, 1, "strategy.sync_batchnorm"),  # no dp ranks
     ({"strategy__name": "data", "strategy__sync_batchnorm": True}, 2, "strategy.sync_batchnorm"),  # no BatchNorm
     ({"strategy__name": "offload"}, 2, "strategy"),  # one process only
@@ -131,6 +137,16 @@ def test_bad_input_names_the_key(changes, world, key):
 def test_good_config_passes():
     validate(cfg_with(), 1)
     validate(cfg_with(strategy__name="data", strategy__zero=3), 4)
+    validate(cfg_with(strategy__name="data", strategy__zero=2, strategy__dp_replicate=2), 4)
+    validate(cfg_with(strategy__name="data", strategy__dp_replicate=1), 4)  # 1: one group, at any zero level
+
+
+def test_replicas_at_zero_0_and_1_say_what_the_level_holds():
+    """Note [hybrid sharding]: zero 0 and 1 have no sharded group to replicate; the line says why."""
+    for zero, why in ((0, "zero 0 holds every weight whole on every rank"),
+                      (1, "zero 1 shards the optimizer state alone, over every dp rank")):
+        with pytest.raises(ConfigError, match=why):
+            validate(cfg_with(strategy__name="data", strategy__zero=zero, strategy__dp_replicate=2), 4)
 
 
 def test_user_model_with_own_init_rule_passes():
@@ -172,6 +188,26 @@ def test_mesh_order_and_planner_roles():
     # mesh order dp, ep, pp, cp, tp: pp stage 0 holds the ranks whose pp coordinate is 0
     assert roles(dims) == [(0, [0, 1, 4, 5]), (2, [2, 3, 6, 7])]
     assert roles(ParallelDims(dp=2, pp=2, tp=2, world_size=8)) == [(0, [0, 1, 4, 5]), (2, [2, 3, 6, 7])]
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(dp=4, pp=1, tp=1, world_size=4),
+                                  ParallelDims(dp=2, pp=1, tp=1, cp=2, world_size=4)], ids=["dp4", "dp2_cp2"])
+def test_hybrid_sharding_groups_are_consecutive_ranks(dims):
+    """Note [hybrid sharding]: the dense weights' 4 data-parallel ranks (dp, or dp x cp) as 2 groups of 2
+    consecutive ranks, (dp_replicate, dp_shard); rank 1 shards with rank 0 and replicates with rank 3."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallel.dims import fsdp_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = fsdp_mesh(dims.build_mesh("cpu"), 2)
+        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard") and mesh.mesh.tolist() == [[0, 1], [2, 3]]
+        assert dist.get_process_group_ranks(mesh["dp_shard"].get_group()) == [0, 1]
+        assert dist.get_process_group_ranks(mesh["dp_replicate"].get_group()) == [1, 3]
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("given,derived", [
