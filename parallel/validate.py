@@ -47,6 +47,7 @@ from parallel.strategies.context import check_context
 from parallel.strategies.expert import check_experts
 from parallel.strategies.offload.check import check_offload_disk
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
+from parallel.strategies.recompute import check_recompute_degrees
 from parallel.strategies.tensor import check_plan, check_tensor_keys
 
 
@@ -173,6 +174,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_strategy(cfg, world_size)
     resolve(cfg, world_size)
     check_tensor_keys(s, tensor_parallel(s))
+    check_recompute_degrees(s)
     _check_inputs_by_name(cfg)
     per_rank = _check_batch(cfg)
     if pipelined(s):
