@@ -173,8 +173,7 @@ def validate(cfg: Config, world_size: int) -> None:
     #    degrees derived from the world size, then the keys that depend on them.
     check_strategy(cfg, world_size)
     resolve(cfg, world_size)
-    check_tensor_keys(s, tensor_parallel(s))
-    check_recompute_degrees(s)
+    _check_keys_of_degrees(s)
     _check_inputs_by_name(cfg)
     per_rank = _check_batch(cfg)
     if pipelined(s):
@@ -210,6 +209,13 @@ def _derive(cfg: Config) -> None:
     targets that go to the forward by name, the model's own loss (`loss.name=output`)."""
     derive_auto_class(cfg.model, cfg.data.task)
     derive_output_loss(cfg.loss, list(cfg.data.spec.get("named") or ()), cfg.data.target_key)
+
+
+def _check_keys_of_degrees(s: StrategyConfig) -> None:
+    """The strategy keys that depend on the derived degrees: the tensor-parallel ones, and what selective
+    recomputation does not take (expert parallelism)."""
+    check_tensor_keys(s, tensor_parallel(s))
+    check_recompute_degrees(s)
 
 
 def _check_inputs_by_name(cfg: Config) -> None:
