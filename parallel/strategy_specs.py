@@ -98,10 +98,15 @@ class StrategyConfig(StrategyBase):
     ep: Optional[int] = None
     # Offload (one device): the tier each kind lives on: device, cpu, disk, auto (the
     # tier below the device); activations also checkpoint (recompute in backward),
-    # which every other strategy takes too (per block: parallel.strategies.recompute).
+    # which every other strategy takes too (per block: parallel.strategies.recompute),
+    # and, outside offload, selective (part of each block, or some blocks: `selective`).
     params: str = "auto"
     optimizer: str = "auto"
     activations: str = "device"
+    # strategy.activations=selective: "op" (the matrix products' and attention's outputs saved in every block,
+    # the rest recomputed) or a positive integer N (every N-th block recomputed whole; Note [selective
+    # recomputation] in parallel/strategies/recompute.py).
+    selective: str = "op"
     # Directory for the disk tier; None: <run_dir>/offload. Removed at the end.
     path: Optional[str] = None
     # Blocks read ahead of the one computing.
@@ -143,7 +148,8 @@ class StrategySpec:
 
 
 # The keys of each piece; a strategy that composes pieces takes theirs.
-ACTIVATIONS = ("activations",)  # every strategy that builds: device, or checkpoint (offload: its tiers too)
+# Every strategy that builds: device, checkpoint or selective (offload: its tiers and checkpoint, and no selective)
+ACTIVATIONS = ("activations", "selective")
 DATA = ("dp", "dp_replicate", "zero", "sync_batchnorm")
 PIPELINE = ("pp", "schedule", "microbatches", "stages_per_rank", "split_points", "balance")
 TENSOR = ("tp", "tp_plan", "sequence_parallel")

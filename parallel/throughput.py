@@ -10,9 +10,9 @@ Counted once, before the first step, on the rank that logs:
                      parallel.flops.Flops as the planner and strategy=auto sum
                      them) on meta tensors: no memory, no data. Model FLOPs, as
                      MFU is defined (PaLM, appendix B): blocks recomputed in
-                     backward (strategy.activations=checkpoint), the loss, the
-                     optimizer step and communication are not counted, and the
-                     count is the same whatever the strategy.
+                     backward (strategy.activations=checkpoint or selective),
+                     the loss, the optimizer step and communication are not
+                     counted, and the count is the same whatever the strategy.
     peak             one device's FLOP/s at most (Note [peak FLOP/s] in
                      parallel/hardware.py): trainer.peak_flops, the table of known
                      GPUs, or on the CPU the matrix-product rate measured here.

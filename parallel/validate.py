@@ -49,6 +49,7 @@ from parallel.strategies.data import check_replicas
 from parallel.strategies.expert import check_experts
 from parallel.strategies.offload.check import check_offload_disk
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
+from parallel.strategies.recompute import check_recompute_degrees
 from parallel.strategies.tensor import check_plan, check_tensor_keys
 
 
@@ -220,10 +221,12 @@ def _derive(cfg: Config, data: DataSpec) -> None:
 
 
 def _check_degree_keys(s: StrategyConfig) -> None:
-    """The strategy keys whose meaning depends on the derived degrees: the tensor-parallel keys (tp > 1) and the
-    replicas of hybrid sharding (a divisor of dp)."""
+    """The strategy keys whose meaning depends on the derived degrees: the tensor-parallel keys (tp > 1), the
+    replicas of hybrid sharding (a divisor of dp), and what selective recomputation does not take (expert
+    parallelism)."""
     check_tensor_keys(s, tensor_parallel(s))
     check_replicas(s)
+    check_recompute_degrees(s)
 
 
 def _check_inputs_by_name(cfg: Config, data: DataSpec) -> None:

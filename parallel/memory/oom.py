@@ -177,7 +177,7 @@ def changes(cfg: Config, world: int, phase: str) -> list[str]:
     s, t = cfg.strategy, cfg.trainer
     replicas = (s.dp or 1) * (s.ep or 1)  # the ranks the global batch is split over
     activations, state = [], []
-    if s.activations == "device":
+    if s.activations in ("device", "selective"):  # selective keeps more (Note [selective recomputation])
         activations.append("strategy.activations=checkpoint")
     if (t.batch_size // replicas) % (2 * t.grad_accum) == 0:
         activations.append(f"trainer.grad_accum={2 * t.grad_accum}")  # the same global batch, half at a time

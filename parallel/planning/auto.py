@@ -21,6 +21,13 @@ Candidates for W workers (the other strategy keys keep their defaults):
     any     a candidate (not offload) over the budget is tried again with its
             activations recomputed per block (strategy.activations=checkpoint):
             more compute for less memory, worth it only when it makes a plan fit.
+            A recomputed candidate that fits is tried once more with selective
+            recomputation (strategy.activations=selective, the products' outputs
+            saved: Note [selective recomputation]), which keeps more than
+            checkpoint and recomputes far fewer FLOPs: it runs when it fits too
+            and prices faster. Tried after checkpoint, not before it: a
+            candidate that checkpoint cannot fit costs no second plan, so the
+            plans added are one per candidate that recomputation makes fit.
 Each is validated (a candidate the model cannot take, say tensor parallelism on
 a model with no Linear pairs, is dropped with the reason) and planned
 (parallel.planning.planner: its peak per rank, and the work of its step). Those whose
@@ -136,6 +143,16 @@ def recomputed(cand: Candidate) -> Candidate | None:
     return Candidate(f"{cand.name}, recompute", [*cand.overrides, "strategy.activations=checkpoint"])
 
 
+def selective(cand: Candidate) -> Candidate | None:
+    """`cand`, recomputed per block (`recomputed`) and within the budget, with selective recomputation instead
+    (Note [auto]); None for any other candidate."""
+    checkpoint = "strategy.activations=checkpoint"
+    if strategy_spec(_strategy(cand)).offloads or checkpoint not in cand.overrides:
+        return None
+    return Candidate(cand.name.replace(", recompute", ", selective"),
+                     [o if o != checkpoint else "strategy.activations=selective" for o in cand.overrides])
+
+
 def _strategy(cand: Candidate) -> str:
     """The name of the strategy a candidate runs (its `strategy=NAME` override)."""
     return next(o.partition("=")[2] for o in cand.overrides if o.startswith("strategy="))
@@ -203,7 +220,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
     level = quiet.level
     found = candidates(world, cfg.strategy.microbatches, experts=has_experts(build_meta_model(cfg.model)))
     i = 0
-    while i < len(found):  # recomputed variants join the list as candidates exceed the budget
+    while i < len(found):  # recomputed variants join the list as candidates exceed the budget (then fit)
         cand = found[i]
         i += 1
         c = _apply(cfg, cand.overrides)
@@ -224,8 +241,10 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
             if cand.peak > budget:
                 cand.dropped = f"peak {cand.peak / 1e6:.2f} MB > budget {budget / 1e6:.2f} MB"
                 again = recomputed(cand)
-                if again is not None:
-                    found.append(again)
+            else:
+                again = selective(cand)
+            if again is not None:
+                found.append(again)
         state = cand.dropped or f"peak {cand.peak / 1e6:.2f} MB, step {cand.times['step'] * 1e3:.1f} ms"
         progress(f"auto: [{i}/{len(found)}] {cand.name}: {state}")
     fits = sorted((c for c in found if c.dropped is None), key=lambda c: c.times["step"])

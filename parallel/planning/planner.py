@@ -22,8 +22,11 @@ thing. At the peak the live storages are sorted into kinds:
     temp         everything else (outputs, workspace, communication buffers)
 
 and the phase (forward, backward, clip, optimizer) and the module running then
-are recorded. Ranks that do the same work (every data- or tensor-parallel
-rank) are planned once: the roles are one per pipeline stage.
+are recorded. What a checkpointed block keeps (its input, the outputs selective
+recomputation caches, what its recomputation saves again) is held by torch's
+checkpoint, not through autograd's saved-tensor hooks: it counts as temp.
+Ranks that do the same work (every data- or tensor-parallel rank) are planned
+once: the roles are one per pipeline stage.
 
 `by_module` (plan.by_module=true) lists, for each module: its own parameters,
 the bytes saved for backward while it ran (each storage once), and its

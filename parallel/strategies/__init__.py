@@ -35,7 +35,7 @@ from parallel.strategies.hybrid import build_hybrid
 from parallel.strategies.offload.check import check_offload
 from parallel.strategies.offload.engine import build_offload
 from parallel.strategies.pipeline import build_pipeline
-from parallel.strategies.recompute import recompute_model, recomputing
+from parallel.strategies.recompute import check_recompute, recompute_model, recomputing
 from parallel.strategies.single import apply_single
 from parallel.strategies.tensor import apply_tensor, check_tensor_keys
 
@@ -46,8 +46,9 @@ def _local(apply):
 
     def build(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime, plan: InitPlan) -> Engine:
         sequence = apply_context(model, mesh)  # cp > 1 (strategy=context): attention over the cp ranks
-        if recomputing(cfg):  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
-            recompute_model(model, example_input(cfg.data, spec=runtime.data))
+        how = recomputing(cfg)
+        if how is not None:  # before DDP or FSDP wrap the blocks (parallel.strategies.recompute)
+            recompute_model(model, example_input(cfg.data, spec=runtime.data), how)
         model = apply(model, mesh, cfg, runtime)
         if compiling(cfg, runtime):  # after DDP or FSDP2 (Note [regional compilation])
             compile_model(model)
@@ -100,13 +101,10 @@ def check_strategy(cfg: Config, world_size: int) -> None:
     spec = strategy_spec(s.name)
     if s.zero not in ZERO_LEVELS:
         fail("strategy.zero", s.zero, "unknown ZeRO level", list(ZERO_LEVELS))
+    check_recompute(s, spec.offloads)  # before offload's own check of its tiers, which names no selective
     own = STRATEGIES[s.name].check
     if own is not None:
         own(cfg, world_size)
-    if not spec.offloads and s.activations not in ("device", "checkpoint"):
-        tiers = " or ".join(f"strategy={n}'s" for n, other in SPECS.items() if other.offloads)
-        fail("strategy.activations", s.activations, f"strategy={s.name} keeps activations on the device or "
-             f"recomputes them per block; the tiers below the device are {tiers}", ["device", "checkpoint"])
     if spec.one_device and world_size != 1:
         fail("strategy", s.name, f"runs on one process, but the world size is {world_size}",
              "strategy=data or strategy=pipeline for several processes")

@@ -32,6 +32,12 @@ materialization (compilation records no tensors until the first call):
       modules are swapped in for the traced copies (parallel.strategies.pipeline.
       stages.eager_blocks): traced copies each carry their own generated code,
       so they could not share a graph.
+  recomputation: checkpoint and selective=N (whole blocks) compile as above;
+      selective=op is a config error: torch's selective cache sits in the
+      eager dispatch around the block and would keep the compiled code's
+      product outputs, which that code writes into buffers it reuses (torch
+      2.13: "Tensor cached during selective activation checkpoint has been
+      mutated" in backward).
   offload: not compiled (a config error, not a quiet eager run). Its hooks move
       each block's weights between tiers and run its recomputation themselves,
       per block and per microbatch; compiling the blocks under them is untried,
@@ -51,6 +57,7 @@ from parallel.blocks import repeated_blocks
 from parallel.config import SPECS, Config, fail, strategy_spec
 from parallel.metrics import log
 from parallel.runtime import Runtime
+from parallel.strategies.recompute import recomputation
 
 
 def compiling(cfg: Config, runtime: Runtime) -> bool:
@@ -93,6 +100,13 @@ def check_compile(cfg: Config, model: nn.Module) -> None:
         fail("trainer.compile", True, f"strategy={s} moves each block's weights and activations through its own "
              "hooks, which compiled blocks do not follow (Note [regional compilation])",
              [f"strategy={name}" for name, spec in SPECS.items() if spec.compiles] + ["trainer.compile=false"])
+    how = recomputation(cfg.strategy)
+    if how is not None and how.ops:
+        fail("trainer.compile", True, "strategy.selective=op keeps the products' outputs from the eager dispatch "
+             "around each block, and a compiled block writes its products into buffers it reuses, which torch "
+             "refuses in backward (Note [selective recomputation])",
+             ["trainer.compile=false", "strategy.selective=N (every N-th block recomputed whole)",
+              "strategy.activations=checkpoint"])
     blocks = repeated_blocks(model)
     if not blocks:
         fail("trainer.compile", True, f"compiles the model's repeated blocks (the items of its ModuleLists or "

@@ -111,8 +111,9 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         engine.state_sharding = zero1(list(engine.model), mesh, s.zero)
         return engine
     sequence = apply_context(model, mesh)  # cp > 1: attention over the cp ranks
-    if recomputing(cfg):  # after the tensor plan would do as well; before FSDP wraps the blocks
-        recompute_model(model, example_input(cfg.data, spec=runtime.data))
+    how = recomputing(cfg)
+    if how is not None:  # after the tensor plan would do as well; before FSDP wraps the blocks
+        recompute_model(model, example_input(cfg.data, spec=runtime.data), how)
     pieces(model, blocks_of(model))
     if compiling(cfg, runtime):  # after the tensor plan and FSDP2 (Note [regional compilation])
         compile_model(model)

@@ -1,7 +1,11 @@
-"""strategy.activations=checkpoint (blocks recomputed in backward) under every strategy: the training of
-single without it, in less memory."""
+"""strategy.activations=checkpoint (blocks recomputed in backward) and selective (the products' outputs saved, the
+rest recomputed; or every N-th block recomputed) under every strategy: the training of single without it, in less
+memory, planned to the byte."""
 import pytest
+from omegaconf import OmegaConf
 
+from parallel.planning.planner import plan
+from parallel.validate import to_config, validate
 from tests import cli
 
 # Activations dominate at this batch, so recomputing them shows in the measured peak.
@@ -40,8 +44,43 @@ def test_recomputed_activations_train_as_single_in_less_memory(single, tmp_path,
     assert all(a < b for a, b in zip(less, more)), (less, more)
 
 
-def test_tiers_below_the_device_are_offloads_own(tmp_path):
-    proc = cli.run(["strategy=data", "nproc=2", "strategy.activations=cpu", f"run_dir={tmp_path}"], cwd=tmp_path,
-                   check=False)
+# The gpt whose eager single run test_compile's and test_tensor_parallel's cases share: attention, norms, GELU.
+GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16"]
+SELECTIVE = {
+    "single_op": (1, {"name": "single"}, "op"),
+    "single_2": (1, {"name": "single"}, "2"),
+    "data_zero3_op": (2, {"name": "data", "zero": 3}, "op"),
+    "data_zero3_2": (2, {"name": "data", "zero": 3}, "2"),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(SELECTIVE))
+def test_selective_recomputation_trains_as_single_in_the_planned_bytes(reference, tmp_path, case):
+    """The losses and weights of single without recomputation; each rank's measured peak is its plan's, to the
+    byte, and below the reference's (parallel.strategies.recompute, Note [selective recomputation])."""
+    world, strategy, selective = SELECTIVE[case]
+    ref = reference(cli.FAST + GPT)
+    args = [f"strategy={strategy['name']}", *(f"strategy.{k}={v}" for k, v in strategy.items() if k != "name")]
+    cli.run(cli.FAST + GPT + args + [f"nproc={world}", "strategy.activations=selective",
+                                     f"strategy.selective={selective}", f"run_dir={tmp_path}"], cwd=tmp_path)
+    cli.assert_same_training(tmp_path, ref)
+    measured = cli.metrics(tmp_path)[-1]["mem_peak_bytes_per_rank"]
+    assert max(measured) < cli.metrics(ref)[-1]["mem_peak_bytes"], measured
+    cfg = to_config(OmegaConf.to_container(OmegaConf.load(tmp_path / ".hydra" / "config.yaml")))  # the run's own
+    validate(cfg, world)
+    (role,) = plan(cfg, world)  # in this process, on fake tensors
+    assert [role.total] * world == measured
+
+
+@pytest.mark.parametrize("args,message", [
+    (["strategy=data", "nproc=2", "strategy.activations=cpu"],
+     "strategy.activations='cpu': strategy=data keeps activations on the device or recomputes them"),
+    (["strategy.activations=selective", "strategy.selective=0"], "strategy.selective='0': op (the products'"),
+    (["strategy=offload", "strategy.activations=selective"], "strategy.activations='selective': strategy=offload "
+                                                             "streams the activations it saves to its own tiers"),
+])
+def test_tiers_below_the_device_are_offloads_own_and_selective_is_the_devices(tmp_path, args, message):
+    proc = cli.run(args + [f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "strategy.activations='cpu'" in proc.stderr and "['device', 'checkpoint']" in proc.stderr
+    assert f"config error: {message}" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

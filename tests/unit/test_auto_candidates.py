@@ -1,5 +1,5 @@
-"""strategy=auto's candidate list (Note [auto]): microbatch counts for pipelines, recomputed variants."""
-from parallel.planning.auto import Candidate, candidates, recomputed
+"""strategy=auto's candidate list (Note [auto]): microbatch counts for pipelines, recomputed and selective variants."""
+from parallel.planning.auto import Candidate, candidates, recomputed, selective
 
 
 def test_pipelines_are_tried_with_several_microbatch_counts():
@@ -26,6 +26,16 @@ def test_a_candidate_over_budget_is_retried_with_recomputed_activations():
     assert again.overrides == ["strategy=data", "strategy.zero=3", "strategy.activations=checkpoint"]
     assert recomputed(again) is None  # once
     assert recomputed(Candidate("offload", ["strategy=offload", "strategy.activations=device"])) is None
+
+
+def test_a_recomputed_candidate_that_fits_is_tried_with_selective_recomputation():
+    """Note [auto]: after checkpoint made it fit, the products' outputs saved (fewer FLOPs again), once."""
+    fits = recomputed(Candidate("data zero 3", ["strategy=data", "strategy.zero=3"]))
+    lighter = selective(fits)
+    assert lighter.name == "data zero 3, selective"
+    assert lighter.overrides == ["strategy=data", "strategy.zero=3", "strategy.activations=selective"]
+    assert selective(lighter) is None and selective(Candidate("single", ["strategy=single"])) is None
+    assert selective(Candidate("offload", ["strategy=offload", "strategy.activations=checkpoint"])) is None
 
 
 def test_one_worker_candidates_are_single_and_offload():

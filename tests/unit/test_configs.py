@@ -92,16 +92,16 @@ def test_data_spec_is_no_setting():
 OTHERS_KEYS = [
     (["strategy=pipeline", "strategy.zero=3"], "strategy.zero=3: not a key of strategy=pipeline, but of "
                                                "strategy=data, context, expert, hybrid (valid: ['activations', "
-                                               "'balance', 'microbatches', 'pp', 'schedule', 'split_points', "
-                                               "'stages_per_rank'])"),
+                                               "'balance', 'microbatches', 'pp', 'schedule', 'selective', "
+                                               "'split_points', 'stages_per_rank'])"),
     (["strategy=data", "strategy.schedule=GPipe"], "strategy.schedule='GPipe': not a key of strategy=data, but of "
                                                    "strategy=pipeline, hybrid, auto (valid: ['activations', 'dp', "
-                                                   "'dp_replicate', 'sync_batchnorm', 'zero'])"),
+                                                   "'dp_replicate', 'selective', 'sync_batchnorm', 'zero'])"),
     # Replicas of a sharded group: data's and hybrid's (Note [hybrid sharding] in parallel/dims.py).
     (["strategy=context", "strategy.dp_replicate=2"], "strategy.dp_replicate=2: not a key of strategy=context, but "
                                                       "of strategy=data, hybrid"),
     (["strategy.bogus=2"], "strategy.bogus=2: not a key of strategy=single, nor of another strategy (valid: "
-                           "['activations'])"),
+                           "['activations', 'selective'])"),
     (["strategy=single", "strategy.dp=2"], "strategy.dp=2: not a key of strategy=single, but of strategy=data, hybrid"),
     (["strategy=model", "strategy.sync_batchnorm=true"], "strategy.sync_batchnorm=True: not a key of strategy=model"),
     (["strategy=context", "strategy.tp=2"], "strategy.tp=2: not a key of strategy=context"),

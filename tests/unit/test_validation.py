@@ -47,6 +47,14 @@ BAD = [
     ({"strategy__name": "single", "strategy__zero": 3}, 1, "strategy.zero"),
     ({"strategy__name": "data", "strategy__activations": "disk"}, 2, "strategy.activations"),
     ({"strategy__name": "pipeline", "strategy__activations": "sometimes"}, 2, "strategy.activations"),
+    ({"strategy__activations": "selective", "strategy__selective": "0"}, 1, "strategy.selective"),
+    ({"strategy__activations": "selective", "strategy__selective": "-2"}, 1, "strategy.selective"),
+    ({"strategy__activations": "selective", "strategy__selective": "every"}, 1, "strategy.selective"),
+    ({"strategy__name": "data", "strategy__selective": "2"}, 2, "strategy.selective"),  # without activations=selective
+    ({"strategy__name": "offload", "strategy__activations": "selective"}, 1, "strategy.activations"),
+    ({"strategy__name": "offload", "strategy__selective": "2"}, 1, "strategy.selective"),  # offload: no selective
+    ({"trainer__compile": True, "strategy__activations": "selective"}, 1, "trainer.compile"),  # op: eager only
+    ({"strategy__name": "expert", "strategy__activations": "selective"}, 2, "strategy.selective"),  # op: no ep
     ({"data__name": "parquet"}, 1, "data.name"),
     ({"strategy__name": "data", "trainer__batch_size": 33}, 2, "trainer.batch_size"),
     ({"strategy__name": "data", "strategy__dp": 3}, 2, "strategy.dp"),

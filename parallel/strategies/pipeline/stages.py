@@ -48,7 +48,7 @@ from parallel.strategies.compile import compile_blocks
 from parallel.strategies.pipeline.chain import chain, compiled, stage_shapes, used_names
 from parallel.strategies.pipeline.split import Split
 from parallel.strategies.pipeline.trace import retarget
-from parallel.strategies.recompute import recompute_blocks
+from parallel.strategies.recompute import Recompute, recompute_blocks
 
 
 @dataclass
@@ -118,7 +118,7 @@ class TimedStage(PipelineStage):
 
 
 def build_stages(split: Split, mesh: DeviceMesh, runtime: Runtime, plan: InitPlan, compute_time: ComputeTime,
-                 ranks: list[int], example: tuple, *, bf16: bool, recompute: bool, compiles: bool,
+                 ranks: list[int], example: tuple, *, bf16: bool, recompute: Recompute | None, compiles: bool,
                  model: nn.Module | None = None, transform=None, shape_transform=None):
     """Materialize this rank's stages; returns (stage objects, their modules, tied copies).
 
@@ -132,7 +132,8 @@ def build_stages(split: Split, mesh: DeviceMesh, runtime: Runtime, plan: InitPla
         example: one microbatch's positional inputs on meta (split.example_microbatch), to shape the stages
             up front under `runtime.static_shapes`.
         bf16: stages compute under bf16 autocast (Note [bf16 stages]).
-        recompute: checkpoint each stage's blocks (strategy.activations=checkpoint).
+        recompute: what each stage's blocks recompute in backward (strategy.activations=checkpoint or selective:
+            Note [selective recomputation] in parallel/strategies/recompute.py); None: nothing.
         compiles: compile each stage's blocks (trainer.compile, with `model`: Note [regional compilation]).
     """
     device = runtime.device
@@ -161,7 +162,7 @@ def build_stages(split: Split, mesh: DeviceMesh, runtime: Runtime, plan: InitPla
 
 
 def _prepare(mod: fx.GraphModule, split: Split, device: torch.device, model: nn.Module | None, transform,
-             recompute: bool, compiles: bool, bf16: bool) -> None:
+             recompute: Recompute | None, compiles: bool, bf16: bool) -> None:
     """One stage of the chain made ready to materialize: unused blocks dropped, run as generated code, on this
     rank's device; with `model`, the model's own blocks swapped in (else the traced ones kept, Note [own or
     traced blocks]); recomputation, `transform` and compilation applied in that order (Note [regional
@@ -172,8 +173,8 @@ def _prepare(mod: fx.GraphModule, split: Split, device: torch.device, model: nn.
     retarget(mod, device)
     blocks = eager_blocks(mod, model, split.blocks) if model is not None else traced_blocks(mod, split.blocks)
     called = used_names(mod, ("call_module",))
-    if recompute:  # before the transform's FSDP units wrap the blocks
-        recompute_blocks(mod, [n for n in split.blocks if n in called])
+    if recompute is not None:  # before the transform's FSDP units wrap the blocks
+        recompute_blocks(mod, split.blocks, recompute, called)
     if transform is not None:
         transform(mod, blocks)
     if model is not None and compiles:
