@@ -2,6 +2,7 @@
 parallel/planning/calibration.py).
 
     python launch/calibrate.py [nproc=N] [trainer.device=auto|cpu|cuda] [out=calibration.json] [runs=true|false]
+                               [profile=hardware/NAME.yaml]
 
 Starts N processes at once, as a run of N workers does (N: the GPUs under CUDA, else 1), measures matrix
 products by size, memory-bound ops, reference training steps, and every collective kind on every group size
@@ -9,12 +10,17 @@ dividing N; then (N > 1) runs the framework itself on N workers (data zero 3, mo
 data zero 0) to fit what collectives and sends cost inside a step (runs=false: not, ~20 s less here; they
 are then priced as measured alone); writes calibration.json. Use it with `plan.calibration=PATH` in
 launch/plan.py and with strategy=auto; made on one node of a cluster, it prices plans for that cluster.
+On CUDA it also writes a hardware profile of the GPU (parallel/planning/gpu_profile.py: its products measured by
+shape, its memory's and host link's bandwidth, its peaks from its name) to `profile` (default
+hardware/NAME.yaml, NAME from the GPU's name), which `launch/plan.py --config-dir DIR hardware=NAME` prices
+plans on without a GPU (Note [hardware profiles] in parallel/hardware.py).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -26,9 +32,10 @@ from parallel.entry import reported  # noqa: E402
 from parallel.planning.calibration import OVERLAPPED  # noqa: E402
 from parallel.planning.calibration_runs import calibrate  # noqa: E402
 from parallel.planning.cost import describe  # noqa: E402
+from parallel.planning.gpu_profile import known_profile, measure_gpu, profile_text, slug, write_profile  # noqa: E402
 from parallel.planning.reference_runs import fit_to_runs  # noqa: E402
 
-OPTIONS = {"nproc": None, "trainer.device": "auto", "out": "calibration.json", "runs": "true"}
+OPTIONS = {"nproc": None, "trainer.device": "auto", "out": "calibration.json", "runs": "true", "profile": None}
 
 
 def parse(argv: list[str]) -> dict:
@@ -59,7 +66,10 @@ def parse(argv: list[str]) -> dict:
     if cuda and nproc > gpus:
         raise ConfigError(f"nproc={nproc}: {gpus} GPU(s) visible (CUDA_VISIBLE_DEVICES="
                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); one process per GPU")
-    return {"nproc": nproc, "cuda": cuda, "out": options["out"], "runs": options["runs"] == "true"}
+    if options["profile"] is not None and not cuda:
+        raise ConfigError(f"profile={options['profile']!r}: a hardware profile is written of a GPU (trainer.device=cuda)")
+    return {"nproc": nproc, "cuda": cuda, "out": options["out"], "runs": options["runs"] == "true",
+            "profile": options["profile"]}
 
 
 @reported
@@ -85,6 +95,17 @@ def main() -> None:
     cal.write(options["out"])
     print(f"calibrate: {describe(cal)}")
     print(f"written: {options['out']} ({time.perf_counter() - t0:.0f} s)")
+    if options["cuda"]:
+        _write_profile(options["profile"])
+
+
+def _write_profile(where: str | None) -> None:
+    """The GPU's hardware profile (parallel/planning/gpu_profile.py), at `where` or hardware/NAME.yaml."""
+    print("calibrate: the GPU's hardware profile: products by shape, memory and host link ...", flush=True)
+    measured = measure_gpu(torch.device("cuda", 0))
+    path = Path(where) if where else Path("hardware") / f"{slug(measured['gpu'])}.yaml"
+    write_profile(path, profile_text(measured, known_profile(measured["gpu"], Path(ROOT) / "conf")))
+    print(f"written: {path} (python launch/plan.py --config-dir {path.parent.parent} hardware={path.stem} ...)")
 
 
 if __name__ == "__main__":

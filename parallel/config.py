@@ -1,6 +1,6 @@
 """Typed configuration: the schemas behind conf/, the errors, and each group's own simple checks.
 
-Each config group (model, data, optim, trainer, loss, memory) has a dataclass
+Each config group (model, data, optim, trainer, loss, memory, hardware) has a dataclass
 here, stored in Hydra's ConfigStore as the base of the root config, so a wrong
 type or an unknown key fails while Hydra composes. The strategy group has one per
 strategy, made in parallel/strategy_specs.py (the one module below this one; its
@@ -318,6 +318,38 @@ class PlanConfig:
 
 
 @dataclass
+class LinkConfig:
+    # A link a device sends over: what it is, its bandwidth per direction per device (bytes/s) and the latency of
+    # one step of a collective over it (seconds); null where the profile has no such link.
+    kind: str = ""
+    generation: Optional[int] = None
+    bandwidth: Optional[float] = None
+    latency: Optional[float] = None
+
+
+@dataclass
+class HardwareConfig:
+    # The machine a plan's step time is priced on (conf/hardware/*.yaml; Note [hardware profiles] in
+    # parallel/hardware.py). device cpu: this host, measured as launch/plan.py always has; cuda: a GPU profile,
+    # priced from the figures below without running anything (Note [step time on a profile]).
+    name: str = "cpu"
+    device: str = "cpu"
+    gpu: str = ""  # the device's name as torch gives it
+    peak_flops: Dict[str, float] = field(default_factory=dict)  # dense FLOP/s by precision: bf16, tf32, fp32, fp8
+    sms: Optional[int] = None  # streaming multiprocessors: the products' wave quantization
+    memory_bytes: Optional[int] = None
+    memory_bandwidth: Optional[float] = None  # bytes/s
+    power_w: Optional[float] = None
+    devices_per_node: int = 1
+    node_link: LinkConfig = field(default_factory=LinkConfig)  # between the devices of a node (NVLink)
+    network: LinkConfig = field(default_factory=LinkConfig)  # across nodes, per device
+    host_link: LinkConfig = field(default_factory=LinkConfig)  # to the host's memory (PCIe)
+    # Measured products: "MxNxK" -> FLOP/s in bf16 (launch/calibrate.py trainer.device=cuda writes them).
+    gemm: Dict[str, float] = field(default_factory=dict)
+    measured: str = ""  # where and when the measured figures were taken
+
+
+@dataclass
 class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -327,6 +359,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     # Workers to start when not under torchrun; None: 1, or torchrun's world size.
     nproc: Optional[int] = None
     # Where the run writes; None: Hydra's output directory (or, under torchrun,

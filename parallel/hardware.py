@@ -14,6 +14,27 @@ overrides the table). On the CPU, which has no published figure, the peak is
 measured in the worker at start (`cpu_peak`): the rate of the fastest of a
 few float32 matrix products on one thread (the CPU trains in fp32), times
 the worker's thread count.
+
+# Note [hardware profiles]
+`hardware=NAME` (conf/hardware/NAME.yaml, schema parallel.config.HardwareConfig)
+says what a plan's step time is priced on. `cpu`, the default, is this host,
+measured as launch/plan.py always has (plan.calibration, or this process at
+start: Note [cost model] in parallel/planning/cost.py). A GPU profile (h100,
+h100_96gb, h200, a100, b200, or one launch/calibrate.py trainer.device=cuda
+wrote) holds a device's figures: dense peak FLOP/s by precision, SMs, memory
+and its bandwidth, power, devices per node, the link inside a node (NVLink),
+across nodes (per device) and to the host (PCIe), each with its bandwidth per
+direction and the latency of a collective's step; and, written by
+calibrate.py, measured product rates by shape. Each value's source is beside
+it in its file: the vendor's datasheets, NCCL's tuner constants for
+latencies, and this project's own measurements (benchmarks/results/gpu*.json:
+the memory torch sees, the host link's copy rate) where it has them; none is
+fitted to a training run. The step is then priced from its work without
+running anything (Note [step time on a profile] in
+parallel/planning/on_profile.py). A GPU profile prices a CUDA run:
+trainer.device=auto means cuda under it, trainer.device=cpu is refused, and
+memory.budget defaults to the profile's memory and may not exceed it
+(`check_hardware`).
 """
 from __future__ import annotations
 
@@ -22,6 +43,9 @@ import re
 import time
 
 import torch
+
+from parallel.config import Config, HardwareConfig, fail
+from parallel.units import human_bytes, parse_bytes
 
 # (pattern searched in the device name, bf16, tf32, fp32 peak FLOP/s), dense; the first match wins, so a
 # variant comes before the name it extends. Sources: the vendors' datasheets.
@@ -46,6 +70,55 @@ GPU_PEAKS: list[tuple[str, float | None, float | None, float | None]] = [
     (r"MI250X", 191.5e12, None, 47.9e12),  # one GCD: what torch sees as one device
 ]
 COLUMNS = ("bf16", "tf32", "fp32")
+PROFILE_DEVICES = ("cpu", "cuda")
+
+
+def gpu_profile(cfg: Config) -> HardwareConfig | None:
+    """The run's GPU profile (Note [hardware profiles]); None for hardware=cpu, this host measured."""
+    return cfg.hardware if cfg.hardware.device == "cuda" else None
+
+
+def profile_precision(cfg: Config) -> str:
+    """The peak a run's products are held to: bf16 under autocast, else tf32 or fp32 as torch lets fp32
+    products run (Note [peak FLOP/s])."""
+    t = cfg.trainer
+    return cuda_precision(t.precision in ("auto", "bf16"))
+
+
+def check_hardware(cfg: Config, world: int) -> None:
+    """The hardware group against the run (Note [hardware profiles]): a GPU profile complete for the run's
+    precision and world size, a CUDA run (trainer.device=auto becomes cuda), memory.budget within its memory.
+
+    Raises:
+        ConfigError: naming the key, the value and the options.
+    """
+    hw = cfg.hardware
+    if hw.device not in PROFILE_DEVICES:
+        fail("hardware.device", hw.device, "the kind of device the profile describes", list(PROFILE_DEVICES))
+    if hw.device == "cpu":
+        return
+    if cfg.trainer.device == "cpu":
+        fail("hardware", hw.name, "a GPU profile prices a CUDA run, and trainer.device=cpu runs on the CPU",
+             ["trainer.device=cuda", "hardware=cpu (this host)"])
+    cfg.trainer.device = "cuda"
+    for key in ("memory_bytes", "memory_bandwidth", "sms"):
+        if not getattr(hw, key):
+            fail(f"hardware.{key}", getattr(hw, key), f"hardware={hw.name} needs it to price a step", ["> 0"])
+    if hw.devices_per_node < 1:
+        fail("hardware.devices_per_node", hw.devices_per_node, "must be an integer >= 1")
+    column = profile_precision(cfg)
+    if not hw.peak_flops.get(column):
+        fail(f"hardware.peak_flops.{column}", hw.peak_flops.get(column), f"hardware={hw.name} has no {column} "
+             f"peak for this run's products (trainer.precision={cfg.trainer.precision})",
+             sorted(k for k, v in hw.peak_flops.items() if v))
+    if world > 1 and not hw.node_link.bandwidth:
+        fail("hardware.node_link.bandwidth", hw.node_link.bandwidth, f"nproc={world}: collectives need it", ["> 0"])
+    if world > hw.devices_per_node and not hw.network.bandwidth:
+        fail("hardware.network.bandwidth", hw.network.bandwidth, f"nproc={world} spans nodes of "
+             f"{hw.devices_per_node}: collectives across them need it", ["> 0"])
+    if cfg.memory.budget is not None and parse_bytes(cfg.memory.budget) > hw.memory_bytes:
+        fail("memory.budget", cfg.memory.budget, f"above hardware={hw.name}'s memory, {human_bytes(hw.memory_bytes)}"
+             f" ({hw.memory_bytes} bytes)", [f"<= {hw.memory_bytes}", "unset: the profile's memory"])
 
 
 def gpu_peak(name: str, precision: str) -> float | None:

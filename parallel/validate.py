@@ -32,6 +32,7 @@ from parallel.config import (
 )
 from parallel.data import DataSpec, check_data, example_target, has_eval_data, read_hints
 from parallel.dims import ParallelDims
+from parallel.hardware import check_hardware
 from parallel.instantiate import move_beside_keys
 from parallel.loss import check_loss, check_loss_config, derive_output_loss
 from parallel.lr_schedule import check_schedule
@@ -169,10 +170,9 @@ def validate(cfg: Config, world_size: int, data: DataSpec | None = None) -> None
     data = data or DataSpec()
     _derive(cfg, data)
     check_loss_config(cfg.loss)
-    if cfg.trainer.eval_every and not has_eval_data(cfg.data):
-        fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",
-             ["0 (no evaluation)", "data=synthetic (a held-out stream)", "data=custom with data.eval"])
+    _check_eval_data(cfg)
     check_memory(cfg.memory)
+    check_hardware(cfg, world_size)  # a GPU profile makes the run CUDA's and bounds memory.budget
     s = cfg.strategy
     spec = strategy_spec(s.name)  # its row of the table (Note [strategy table])
     if spec.chooses:  # each candidate is validated as it is tried (parallel.planning.auto)
@@ -211,6 +211,12 @@ def validate(cfg: Config, world_size: int, data: DataSpec | None = None) -> None
     out = check_model_takes_data(cfg, model, data)
     if out is not None:
         check_loss(cfg.loss, cfg.data.task, out, example_target(cfg.data, spec=data))
+
+
+def _check_eval_data(cfg: Config) -> None:
+    if cfg.trainer.eval_every and not has_eval_data(cfg.data):
+        fail("trainer.eval_every", cfg.trainer.eval_every, f"data={cfg.data.name} has no eval data",
+             ["0 (no evaluation)", "data=synthetic (a held-out stream)", "data=custom with data.eval"])
 
 
 def _derive(cfg: Config, data: DataSpec) -> None:

@@ -76,10 +76,12 @@ from pathlib import Path
 import torch
 
 from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, strategy_spec
+from parallel.hardware import gpu_profile
 from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
 from parallel.planning.cost import calibration_for, describe, replay_for, step_times
+from parallel.planning.on_profile import describe_profile, profile_times
 from parallel.planning.planner import plan
 from parallel.strategies.expert import has_experts
 from parallel.validate import validate
@@ -179,6 +181,8 @@ def device_budget(cfg: Config, world: int) -> int:
     A CUDA run planned on a host without a GPU (Note [planning for CUDA]) needs memory.budget."""
     if cfg.memory.budget is not None:
         return budget_bytes(cfg.memory)
+    if gpu_profile(cfg) is not None:  # the profile's memory (Note [hardware profiles])
+        return cfg.hardware.memory_bytes
     if cuda_run(cfg.trainer.device):
         if not torch.cuda.is_available():
             fail("memory.budget", None, "planning a CUDA run on a host without a GPU needs the GPU's memory",
@@ -211,11 +215,13 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
         ConfigError: when no candidate fits the budget (naming the smallest peak).
     """
     budget = device_budget(cfg, world)
-    cal = calibration_for(cfg, world)
-    replay = replay_for(cfg, cal, world)
+    hw = gpu_profile(cfg)  # a GPU profile prices each candidate from its work (Note [step time on a profile])
+    cal = calibration_for(cfg, world) if hw is None else None
+    replay = replay_for(cfg, cal, world) if hw is None else None
     disk = disk_bandwidth(Path(run_dir)) if world == 1 else None
     progress(f"auto: budget {budget / 1e6:.1f} MB per rank{' of CUDA memory' if cuda_run(cfg.trainer.device) else ''}; "
-             f"rates {describe(cal)}" + (f"; disk {disk / 1e9:.2f} GB/s" if disk else ""))
+             f"rates {describe(cal) if hw is None else describe_profile(hw)}"
+             + (f"; disk {disk / 1e9:.2f} GB/s" if disk else ""))
     quiet = logging.getLogger("parallel")
     level = quiet.level
     found = candidates(world, cfg.strategy.microbatches, experts=has_experts(build_meta_model(cfg.model)))
@@ -237,7 +243,8 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
             quiet.setLevel(level)
         if cand.dropped is None:
             cand.peak = max(p.total for p in plans)
-            cand.times = step_times(c, plans, cal, world, disk, replay)
+            cand.times = step_times(c, plans, cal, world, disk, replay) if hw is None else \
+                profile_times(c, plans, world, hw, disk)
             if cand.peak > budget:
                 cand.dropped = f"peak {cand.peak / 1e6:.2f} MB > budget {budget / 1e6:.2f} MB"
                 again = recomputed(cand)

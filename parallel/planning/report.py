@@ -8,11 +8,13 @@ import os
 from pathlib import Path
 
 from parallel.config import Config, bf16_run, cuda_run, strategy_spec
+from parallel.hardware import gpu_profile
 from parallel.memory.budget import budget_bytes
 from parallel.pictures.memory import write_memory
 from parallel.planning.auto import choose, device_budget, disk_bandwidth, table
 from parallel.planning.cost import calibration_for, describe, replay_for, step_times
 from parallel.planning.cuda import BLOCK, LEFT_OUT, cublas_workspace
+from parallel.planning.on_profile import report_profile
 from parallel.planning.planner import KINDS, plan
 from parallel.units import human_bytes
 
@@ -40,7 +42,8 @@ def report(cfg: Config, world: int, run_dir: str, data=None) -> None:
     if cfg.plan.by_module:
         _print_modules(plans[0], cfg.plan.top)
         record["by_module"] = plans[0].by_module
-    for path in _write(run_dir, record, budget_bytes(cfg.memory)):
+    hw = gpu_profile(cfg)  # a GPU profile's memory is the budget unless one is given
+    for path in _write(run_dir, record, budget_bytes(cfg.memory) or (hw.memory_bytes if hw is not None else None)):
         print(f"written: {path}")
 
 
@@ -81,9 +84,12 @@ def _ranks(ranks: list[int]) -> str:
 def _step_time(cfg, plans, world: int, run_dir: str) -> dict:
     """Print the step time the cost model predicts for the plan (Note [cost model] in parallel/planning/cost.py), its
     terms and the rates it used; the same for plan.json."""
-    cal = calibration_for(cfg, world)
     offloads = strategy_spec(cfg.strategy.name).offloads
     disk = disk_bandwidth(Path(cfg.strategy.path or run_dir)) if offloads else None
+    hw = gpu_profile(cfg)
+    if hw is not None:  # priced on the profile from the plan's work, nothing replayed (Note [step time on a profile])
+        return report_profile(cfg, plans, world, hw, disk)
+    cal = calibration_for(cfg, world)
     replay = replay_for(cfg, cal, world)
     t = step_times(cfg, plans, cal, world, disk, replay)
     print(f"step time: predicted {t['step'] * 1e3:.1f} ms: compute {t['compute'] * 1e3:.1f} (matrix products "

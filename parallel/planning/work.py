@@ -37,6 +37,13 @@ global shapes, and the local op that DTensor then runs is out of its sight.
                back) is counted as ops of the step, the planner running them
                on meta tensors of the gradients' shapes
                (parallel.planning.standins.DDPStandIn.copy_gradients).
+    comm_groups  the same calls again by the op that made them and the
+               ranks of its group (global ranks, in the group's order):
+               where the group lies on the machine, and which calls are
+               FSDP2's (process-group all-gathers and reduce-scatters),
+               for pricing on a hardware profile (Note [collective model]
+               in parallel/planning/network.py). DDP's buckets are not in
+               it: their group is the data-parallel mesh.
     forward_backward  products, memory and ops again, of the ops dispatched
                in the step's forward and backward (a pipeline's schedule)
                alone, without clipping and the optimizer's step: the part of
@@ -53,6 +60,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -132,6 +140,7 @@ class Work(TorchDispatchMode):
         # the same tallies of the forward and backward alone (Note [step work]): products, memory, ops
         self.forward_backward: tuple[dict, dict, list[int]] = ({}, {}, [0])
         self.comm: dict[tuple[str, int], list[int]] = {}  # (kind, group size) -> [calls, bytes handed]
+        self.groups: dict[tuple[str, str, int, tuple], list[int]] = {}  # (kind, op, size, ranks) -> the same
         # (op, its arguments' specs) -> [calls, FLOPs of one call, bytes of one]: what parallel.planning.cost replays
         self.calls: dict[tuple, list[int]] = {}
         # (op, FLOPs, bytes moved) of each op outside forward and backward, in order: clipping's and the
@@ -175,13 +184,21 @@ class Work(TorchDispatchMode):
             return
         bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
         try:
-            size = _group(bound).size()
+            group = _group(bound)
+            size = group.size()
         except (KeyError, RuntimeError, ValueError):  # an op without a group: sized as a pair
-            size = 2
+            group, size = None, 2
         if size <= 1:
             return
         handed = sum(_nbytes(_tensors(bound[name])) for name in _INPUTS if name in bound)
         self.add_comm(kind, size, 1, handed)
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        except (KeyError, RuntimeError, ValueError):  # a group the process does not know: placed by its size
+            ranks = ()
+        row = self.groups.setdefault((kind, func._schema.name, size, ranks), [0, 0])
+        row[0] += 1
+        row[1] += handed
 
     def add_comm(self, kind: str, size: int, calls: int, nbytes: int) -> None:
         """Collective calls made outside the dispatch (DDP's bucket all-reduces, which the planner adds)."""
@@ -195,7 +212,7 @@ class Work(TorchDispatchMode):
         return {"forward_backward": [{k: list(v) for k, v in products.items()}, {k: list(v) for k, v in memory.items()},
                                      ops[0]],
                 "tail": list(self.tail), "ops": self.ops, "dtensor_ops": self.dtensor_ops,
-                "comm": {k: list(v) for k, v in self.comm.items()}}
+                "comm": {k: list(v) for k, v in self.comm.items()}, "groups": {k: list(v) for k, v in self.groups.items()}}
 
     @classmethod
     def of_raw(cls, raw: dict) -> "Work":
@@ -209,6 +226,7 @@ class Work(TorchDispatchMode):
             _tally(w.products, w.memory, flops, moved)
         w.ops, w.dtensor_ops, w.tail = raw["ops"], raw["dtensor_ops"], list(raw["tail"])
         w.comm = {k: list(v) for k, v in raw["comm"].items()}
+        w.groups = {k: list(v) for k, v in raw["groups"].items()}
         return w
 
     def as_dict(self, steps: int = 1) -> dict:
@@ -221,7 +239,9 @@ class Work(TorchDispatchMode):
                 "ops": self.ops // steps, "dtensor_ops": self.dtensor_ops // steps,
                 "forward_backward": {"products": per_step(products), "memory": per_step(memory),
                                      "ops": ops[0] // steps},
-                "comm": {f"{k}/{w}": [c // steps, b // steps] for (k, w), (c, b) in sorted(self.comm.items())}}
+                "comm": {f"{k}/{w}": [c // steps, b // steps] for (k, w), (c, b) in sorted(self.comm.items())},
+                "comm_groups": [{"kind": k, "op": op, "size": w, "ranks": list(ranks), "calls": c // steps,
+                                 "bytes": b // steps} for (k, op, w, ranks), (c, b) in sorted(self.groups.items())]}
 
 
 def step_work_of(work: Work, buckets) -> dict:

@@ -266,3 +266,36 @@ def test_auto_plans_a_cuda_run_against_the_budget_given(tmp_path):
 def test_auto_for_cuda_without_a_gpu_needs_the_budget(tmp_path):
     proc = plan(["strategy=auto", "trainer.device=cuda", f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "memory.budget=None" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(200)
+def test_a_plan_on_a_gpu_profile_prices_its_step_from_the_profile(tmp_path):
+    """hardware=h100 (Note [step time on a profile]): the step of a tiny GPT under FSDP2 on two H100s priced from
+    the profile's figures on this CPU host, its terms, tokens/s and MFU in plan.json, nothing replayed."""
+    out = plan(GPT + ["hardware=h100", "strategy=data", "strategy.zero=3", "nproc=2", f"run_dir={tmp_path}"],
+               cwd=tmp_path).stdout
+    assert "plan for CUDA" in out and "step time on hardware=h100: predicted" in out  # auto meant cuda
+    assert "step time: left out: the gaps between kernels" in out and "MFU" in out
+    record = json.loads((tmp_path / "plan.json").read_text())
+    t = record["step_time"]
+    assert t["hardware"] == "h100" and t["calls_timed_here"] is False and t["calibration"] is None
+    p = t["predicted_s"]
+    assert p["step"] == pytest.approx(p["compute"] + p["comm"] + p["bubble"] + p["transfers"])
+    assert p["compute"] == pytest.approx(p["products"] + p["attention"] + p["memory"]) and p["attention"] > 0
+    assert set(p["comm_exposed"]) >= {"allgather", "reducescatter"}
+    assert 0 < p["comm"] <= p["comm_alone"]
+    assert t["comm_by_kind"]["allgather"]["groups"] == ["2 ranks on 1 node"]
+    tokens = 16 * 16  # the global batch's tokens
+    assert t["tokens_per_s_per_device"] == pytest.approx(tokens / p["step"] / 2)
+    assert t["mfu"] == pytest.approx(t["model_flops"] / 2 / p["step"] / 989.4e12) and 0 < t["mfu"] < 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["hardware=h300"], "hardware=h300: no such hardware (valid: a100, b200, cpu, h100, h100_96gb, h200)"),
+    (["hardware=h100", "memory.budget=90GB"], "memory.budget='90GB': above hardware=h100's memory, 85.0 GB"),
+    (["hardware=a100", "trainer.device=cpu"], "hardware='a100': a GPU profile prices a CUDA run"),
+])
+def test_a_bad_hardware_setting_is_one_line(tmp_path, args, message):
+    proc = plan(args + [f"run_dir={tmp_path}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
