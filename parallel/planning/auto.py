@@ -256,18 +256,23 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
         progress(f"auto: [{i}/{len(found)}] {cand.name}: {state}")
     fits = sorted((c for c in found if c.dropped is None), key=lambda c: c.times["step"])
     if not fits:
-        planned = [c for c in found if c.peak is not None]
-        if not planned:
-            raise ConfigError("strategy=auto: no candidate could be planned "
-                              f"({'; '.join(f'{c.name}: {c.dropped}' for c in found)})")
-        smallest = min(planned, key=lambda c: c.peak)
-        raise ConfigError(f"memory.budget={cfg.memory.budget or f'{budget} (the device)'}: no plan fits; the "
-                          f"smallest is {smallest.name} ({' '.join(smallest.overrides)}) needing "
-                          f"{smallest.peak / 1e6:.2f} MB per rank")
+        _none_fits(cfg, found, budget)
     chosen = _apply(cfg, fits[0].overrides)
     chosen.run_dir = cfg.run_dir
     validate(chosen, world, data)
     return chosen, sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
+
+
+def _none_fits(cfg: Config, found: list[Candidate], budget: float) -> None:
+    """Raise the ConfigError of a search where no candidate fits: the smallest peak planned, or why none was."""
+    planned = [c for c in found if c.peak is not None]
+    if not planned:
+        raise ConfigError("strategy=auto: no candidate could be planned "
+                          f"({'; '.join(f'{c.name}: {c.dropped}' for c in found)})")
+    smallest = min(planned, key=lambda c: c.peak)
+    raise ConfigError(f"memory.budget={cfg.memory.budget or f'{budget} (the device)'}: no plan fits; the "
+                      f"smallest is {smallest.name} ({' '.join(smallest.overrides)}) needing "
+                      f"{smallest.peak / 1e6:.2f} MB per rank")
 
 
 def table(found: list[Candidate], budget_note: str = "") -> str:

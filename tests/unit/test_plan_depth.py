@@ -1,5 +1,5 @@
-"""Blocks alike planned once (Note [planning by depth]): a model of six blocks traced at 2, 3 and 4 and its plan
-extended gives the bytes, work and collectives of the plan that traces all six, role by role."""
+"""Blocks alike planned once (Note [planning by depth]): a model of five blocks traced at 2, 3 and 4 and its plan
+extended gives the bytes, work and collectives of the plan that traces all five, role by role."""
 import dataclasses
 import tempfile
 
@@ -12,15 +12,14 @@ from parallel.planning import depth, planner
 from parallel.planning.planner import plan
 from parallel.validate import validate
 
-GPT = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "layers": 6}
+GPT = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "layers": 5}
 CUDA = {"trainer.device": "cuda", "trainer.precision": "bf16"}
 CASES = {
     "single_cuda": (1, CUDA),
     "data_zero3_cuda": (2, {"strategy.name": "data", "strategy.zero": 3, **CUDA}),
     "checkpoint_cuda": (1, {"strategy.activations": "checkpoint", **CUDA}),  # its peak moves to the optimizer
     # a CPU run's plan replays its op calls here and is traced whole (traced_whole); its bytes extend alike
-    "model_tp2": (2, {"strategy.name": "model"}),
-    "offload": (1, {"strategy.name": "offload"}),
+    "single": (1, {}),
 }
 
 
