@@ -205,12 +205,13 @@ def recompute_blocks(root: nn.Module, names: list[str], how: Recompute, called: 
         checkpoint(block, context_fn=how.contexts(block))
 
 
-def recompute_model(model: nn.Module, example, how: Recompute) -> None:
-    """Checkpoint the blocks of a whole model (strategies that keep the whole model on each rank) as `how` says.
+def recompute_model(model: nn.Module, example, how: Recompute | None = None) -> None:
+    """Checkpoint the blocks of a whole model (strategies that keep the whole model on each rank) as `how` says
+    (default: every block recomputed whole, strategy.activations=checkpoint).
 
     Args:
         example: one batch's input as the data hands it out (parallel.data.example_input, on meta), to find
             the blocks the forward calls.
     """
     names, _ = candidates(model, *as_call(example))
-    recompute_blocks(model, names, how)
+    recompute_blocks(model, names, how or Recompute())
