@@ -105,8 +105,8 @@ def cut(model: nn.Module, parent: str, depth: int) -> None:
 
 def extend(plans: dict[int, list], depth: int, parent: str) -> list | None:
     """The plans at `depth` blocks from `plans` (depth -> a RankPlan per role, traced at DEPTHS), each count on
-    the line of its three values; None where one is not (Note [planning by depth]). They carry no op calls
-    (no step of them is replayed)."""
+    the line of its three values; None where one is not (Note [planning by depth]). Their op calls are those
+    on their line (no step of them is replayed here: `traced_whole`)."""
     a, b, c = (plans[d] for d in DEPTHS)
     if not len(a) == len(b) == len(c):
         return None
@@ -134,7 +134,7 @@ def extend(plans: dict[int, list], depth: int, parent: str) -> list | None:
                   **{k: peak[k] for k in EXACT if k in peak},
                   "comm_bytes": comm_bytes_of(tally["comm"] // 2, buckets), "flops": tally["flops"] // 2,
                   "ops": tally["ops"] // 2, "all_to_all_bytes": tally["all_to_all"] // 2,
-                  "io_bytes": tally["io"] // 2, "calls": {}}
+                  "io_bytes": tally["io"] // 2, "calls": _calls(pa.calls, pb.calls, pc.calls, steps)}
         for f in fields(pc):
             if f.name in values or f.name in ("rank", "same_as", "peak_phase", "peak_module", "by_module"):
                 continue
@@ -154,6 +154,18 @@ def _renamed(module: str | None, parent: str, depth: int) -> str | None:
     if module is not None and (module == last or module.startswith(last + ".")):
         return f"{parent}.{depth - 1}" + module[len(last):]
     return module
+
+
+def _calls(a: dict, b: dict, c: dict, steps: int) -> dict:
+    """The distinct op calls of the step at `steps` more blocks, for a GPU profile's pricing by shape: those of
+    every depth on their line; the rest (calls over every parameter, whose shapes follow the depth) left to
+    be priced by their class from the work, which is extended exactly."""
+    out = {}
+    for key in a.keys() & b.keys() & c.keys():
+        row = _line(a[key], b[key], c[key], steps)
+        if row is not _OFF:
+            out[key] = row
+    return out
 
 
 def _tail(a: list, b: list, c: list, steps: int) -> list | None:

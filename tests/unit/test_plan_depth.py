@@ -54,8 +54,11 @@ def test_a_plan_extended_by_depth_is_the_plan_of_every_block(case, monkeypatch):
                                  for d in depth.DEPTHS}, GPT["layers"], "blocks")
     for a, b in zip(whole, fast, strict=True):
         for f in dataclasses.fields(a):
-            if f.name not in ("tally", "by_module", "calls"):  # calls: only a step replayed here has them
+            if f.name not in ("tally", "by_module", "calls"):
                 assert getattr(b, f.name) == getattr(a, f.name), f.name
+        # the calls of every depth, each as often as in the whole trace; the rest (over every parameter) is
+        # priced by its class from the work, equal above
+        assert b.calls and all(a.calls[key] == row for key, row in b.calls.items())
         assert a.total > 0 and a.work["products"] and b.peak_phase in b.phases
 
 
