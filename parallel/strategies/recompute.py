@@ -40,6 +40,12 @@ a BatchNorm layer's running statistics move once (Note [batch norm]). Under
 torch in backward ("Tensor cached during selective activation checkpoint has
 been mutated"): recomputing from it would read the changed values.
 
+Torch's selective checkpoint matches every op of the recomputation with one
+forward ran in the block, profiler ranges included; FSDP2 opens ranges in
+backward (its pre-backward hook, in bf16 its input casts) that forward opened
+outside the block, so under `op` profiler ranges run outside the checkpoint's
+modes (`_RangesOutside`): they hold no tensor and change nothing recomputed.
+
 Expert parallelism (ep > 1) takes `selective=N` and not `op`: the experts' own
 data-parallel units sit inside each block, and their FSDP hooks do not repeat
 in recomputation the ops they ran in forward (a profiler range, a gather),
@@ -72,6 +78,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from parallel.batchnorm import recompute_contexts
@@ -159,16 +166,28 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _RangesOutside(TorchDispatchMode):
+    """Profiler ranges run past the modes below it: torch's selective checkpoint matches every op of the
+    recomputation with one of forward, and FSDP2 opens ranges in backward that no forward opened there."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "profiler":
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 def products_saved(block: nn.Module):
     """`context_fn` of `block`'s checkpoint under selective=op: torch's selective-checkpoint contexts (a
     fresh cache per forward), with the BatchNorm running statistics put back around the recomputation (Note
-    [batch norm]) outside its cached mode, whose own ops (a copy of the statistics) no forward made."""
+    [batch norm]) outside its cached mode, whose own ops (a copy of the statistics) no forward made, and
+    profiler ranges outside both (`_RangesOutside`)."""
     keep = recompute_contexts(block)
 
     def contexts():
         caching, cached = create_selective_checkpoint_contexts(_policy)
         _, restore = keep()
-        return caching, _nested(restore, cached)
+        return _nested(caching, _RangesOutside()), _nested(restore, _nested(cached, _RangesOutside()))
 
     return contexts
 
