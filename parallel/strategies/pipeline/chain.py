@@ -20,6 +20,7 @@ import operator
 import torch
 from torch import fx, nn
 from torch.export.unflatten import InterpreterModule
+from torch.utils._pytree import tree_map_only
 
 Value = tuple  # (name of the producing node in the split graph, output index or None)
 
@@ -102,20 +103,36 @@ def _rewrite(gm: fx.GraphModule, live_in: list[Value], takes: list[Value], name:
     gm.recompile()
 
 
-def stage_shapes(stages: list[nn.Module], example: tuple) -> list[tuple[tuple, tuple]]:
+def stage_shapes(stages: list[nn.Module], example: tuple, wire: torch.dtype | None = None) -> list[tuple[tuple, tuple]]:
     """(inputs, outputs) of every stage of a chain for one microbatch, as meta tensors.
 
     In a chain each stage's outputs are exactly the next one's inputs, so one
-    pass over the example finds every boundary.
+    pass over the example finds every boundary. With `wire` (bf16 under trainer.precision=bf16) the
+    floating-point values crossing a boundary are shaped in it, and each stage runs on them as it will run on
+    what it receives (Note [bf16 stages] in stages.py); the last stage's outputs, which go to the loss, are kept.
     """
     shapes, values = [], tuple(example)
     with torch.no_grad():
-        for gm in stages:  # still on the meta device: nothing is computed
-            out = gm(*values)
+        for i, gm in enumerate(stages):  # still on the meta device: nothing is computed
+            out = gm(*(values if i == 0 or wire is None else received(values)))
             out = out if isinstance(out, tuple) else (out,)
+            if wire is not None and i < len(stages) - 1:
+                out = on_the_wire(out, wire)
             shapes.append((values, out))
             values = out
     return shapes
+
+
+def on_the_wire(values, wire: torch.dtype):
+    """`values` (a tensor or a tuple of them) as a stage hands them on: floating-point tensors in `wire`
+    (Note [bf16 stages] in stages.py), boolean ones (masks) as they are."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(wire) if t.is_floating_point() else t, values)
+
+
+def received(values):
+    """What a stage computes on from the bf16 values it receives: fp32 copies, the dtype of a residual stream in
+    the unsplit model under autocast (Note [bf16 stages] in stages.py); anything else as it is."""
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, values)
 
 
 def compiled(stage: nn.Module) -> None:

@@ -45,7 +45,7 @@ from parallel.init import InitPlan, materialize_and_init
 from parallel.profiling import phase
 from parallel.runtime import Runtime
 from parallel.strategies.compile import compile_blocks
-from parallel.strategies.pipeline.chain import chain, compiled, stage_shapes, used_names
+from parallel.strategies.pipeline.chain import chain, compiled, on_the_wire, received, stage_shapes, used_names
 from parallel.strategies.pipeline.split import Split
 from parallel.strategies.pipeline.trace import retarget
 from parallel.strategies.recompute import Recompute, recompute_blocks
@@ -144,11 +144,14 @@ def build_stages(split: Split, mesh: DeviceMesh, runtime: Runtime, plan: InitPla
         chained = chain(split.pipe)  # Note [stage chain]
     except ValueError as e:
         raise ConfigError(f"strategy=pipeline: {e}") from None
-    shapes = _static_shapes(split, chained, example, model, shape_transform) if runtime.static_shapes else None
+    wire = torch.bfloat16 if bf16 else None  # what crosses a boundary (Note [bf16 stages])
+    shapes = _static_shapes(split, chained, example, model, shape_transform, wire) if runtime.static_shapes else None
     stages, modules = [], []
     for i in mine:
         mod = chained[i]
-        _prepare(mod, split, device, model, transform, recompute, compiles, bf16)
+        _prepare(mod, split, device, model, transform, recompute, compiles)
+        if bf16:
+            in_bf16(mod, device, first=i == 0, last=i == len(chained) - 1)
         materialize_and_init(mod, device, plan, runtime.values)
         # Shapes are found at the first step (PyTorch's runtime inference); only
         # floating-point and boolean tensors cross stages (split._boundaries), which that allows.
@@ -162,11 +165,12 @@ def build_stages(split: Split, mesh: DeviceMesh, runtime: Runtime, plan: InitPla
 
 
 def _prepare(mod: fx.GraphModule, split: Split, device: torch.device, model: nn.Module | None, transform,
-             recompute: Recompute | None, compiles: bool, bf16: bool) -> None:
+             recompute: Recompute | None, compiles: bool) -> None:
     """One stage of the chain made ready to materialize: unused blocks dropped, run as generated code, on this
     rank's device; with `model`, the model's own blocks swapped in (else the traced ones kept, Note [own or
     traced blocks]); recomputation, `transform` and compilation applied in that order (Note [regional
-    compilation] in parallel/strategies/compile.py), as `build_stages` asks."""
+    compilation] in parallel/strategies/compile.py), as `build_stages` asks; bf16 autocast goes around it all
+    (`in_bf16`)."""
     _drop_unused(mod, split.blocks)
     _mark_transient(mod, split.transient)
     compiled(mod)
@@ -179,34 +183,46 @@ def _prepare(mod: fx.GraphModule, split: Split, device: torch.device, model: nn.
         transform(mod, blocks)
     if model is not None and compiles:
         compile_blocks(mod, [n for n in repeated_blocks(model) if n in called])
-    if bf16:
-        in_bf16(mod, device)
 
 
 # Note [bf16 stages]
 # Under bf16 (Note [mixed precision] in parallel/strategies/data.py) each stage computes under autocast, as the
-# whole model does under strategy=single, and hands its floating-point outputs on in fp32: the schedule's send
-# and receive buffers are shaped and typed by PyTorch's shape inference, which runs the stages on meta tensors,
-# where autocast casts nothing. bf16 -> fp32 -> bf16 is exact, so a matrix product of the next stage sees the
-# values single's does; an op autocast leaves alone (an activation, a residual sum) may compute in fp32 where
-# single's computed in bf16, within bf16's rounding. The fp32 boundary sends twice a bf16 one's bytes.
-def in_bf16(mod: nn.Module, device: torch.device) -> None:
-    """Run stage `mod` under bf16 autocast on `device` (parallel.engine.autocast's, for a bf16 run), its
-    floating-point outputs handed on in fp32 (Note [bf16 stages])."""
+# whole model does under strategy=single, and hands its floating-point outputs to the next stage in bf16, as
+# Megatron-LM and torchtitan send bf16 activations: half the bytes of each send and receive buffer, forward and
+# backward (the gradient of a bf16 output is bf16). Autocast alone would not make them bf16: it casts the
+# inputs of matrix products, and a value that crosses a cut is often the sum of a product's bf16 output and an
+# fp32 value (the residual stream of gpt, Llama, GPT-2: their embeddings are fp32 and fp32 + bf16 is fp32), so
+# the boundary tensor leaves the stage's code in fp32. The cast is therefore at the stage's edge, in the forward
+# `in_bf16` wraps around the split stage module, and the stages are told the same dtypes: PyTorch's inference of
+# the send and receive buffers runs that forward (on meta tensors in some torch versions, where autocast casts
+# nothing, so only an explicit cast makes the dtype right in all of them), and the shapes given up front
+# (chain.stage_shapes with `wire`, the planner's) apply the same casts. A receiving stage computes on fp32 copies
+# of what it receives (chain.received), the dtype it computed on when boundaries were fp32, so what changes from
+# single is one rounding to bf16 of each fp32 value at each boundary: a residual stream single keeps in fp32
+# between blocks is rounded once per cut (8 bits of mantissa), where single rounds it nowhere. A value that is
+# bf16 in single anyway (a product's output, the built-in MLP's activations) crosses exactly. The losses follow
+# single's at bf16 to bf16's rounding (tests/distributed/test_precision.py). The last stage's output goes to the
+# loss, not to a send, and is handed over in fp32 as before. fp32 runs send fp32, unchanged.
+def in_bf16(mod: nn.Module, device: torch.device, *, first: bool, last: bool) -> None:
+    """Run stage `mod` under bf16 autocast on `device` (parallel.engine.autocast's, for a bf16 run): its inputs
+    received in bf16 computed on in fp32 (unless `first`: the batch), its floating-point outputs handed on in
+    bf16 (in fp32 when `last`: the loss's), Note [bf16 stages]."""
     inner = mod.forward
 
     def forward(*args, **kwargs):
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = inner(*args, **kwargs)
-        return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, out)
+            out = inner(*(args if first else received(args)), **kwargs)
+        if last:
+            return received(out)
+        return on_the_wire(out, torch.bfloat16)
 
     mod.forward = forward  # an instance attribute: FSDP2's hooks, registered on the module, still run around it
 
 
 def _static_shapes(split: Split, chained: list[fx.GraphModule], example: tuple, model: nn.Module | None,
-                   shape_transform) -> list[tuple[tuple, tuple]]:
-    """Every stage's boundary shapes up front (`runtime.static_shapes`: the planner, where no values cross).
+                   shape_transform, wire: torch.dtype | None) -> list[tuple[tuple, tuple]]:
+    """Every stage's boundary shapes up front (`runtime.static_shapes`: the planner, where no values cross), the
+    floating-point ones in `wire` where it is given (Note [bf16 stages]).
 
     With a `shape_transform` (tensor parallelism) each stage is shaped as its
     ranks will hold it, on a copy (still on meta), so the chain itself stays untouched.
@@ -218,7 +234,7 @@ def _static_shapes(split: Split, chained: list[fx.GraphModule], example: tuple, 
             _drop_unused(gm, split.blocks)
             eager_blocks(gm, model, split.blocks)
             shape_transform(gm)
-    return stage_shapes(shaped, example)
+    return stage_shapes(shaped, example, wire)
 
 
 def own_blocks(model: nn.Module, names: list[str]) -> bool:
