@@ -77,6 +77,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from parallel.planning.allocator import AllocatorFeed
+
 BLOCK = 512  # bytes: the caching allocator rounds every request up to a multiple of it
 HOPPER_WORKSPACE = 32 * 1024 * 1024  # torch's cuBLAS workspace on sm90 (and Blackwell in recent releases)
 OLDER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8", torch's default before Hopper
@@ -130,8 +132,9 @@ def cublas_workspace(environ=os.environ) -> tuple[int, str]:
 
 class CudaAccount:
     """A rank role's CUDA-only memory over its planned steps, fed each op by the planner's tracker: the cuBLAS
-    workspaces (kept from the step that made them on); and, under `autocast_as_on_cuda`, the ops CUDA's autocast
-    runs in fp32.
+    workspaces (kept from the step that made them on); the caching allocator's segments (`segments`, fed every
+    storage made, freed and resized: Note [caching allocator] in parallel/planning/allocator.py); and, under
+    `autocast_as_on_cuda`, the ops CUDA's autocast runs in fp32.
 
     Args:
         fake: the plan's FakeTensorMode (the workspaces are fake tensors, made outside the counters).
@@ -142,6 +145,7 @@ class CudaAccount:
         self.fake, self.workspace = fake, workspace
         self.workspaces: dict[str, torch.Tensor] = {}  # "forward" / "backward" thread -> its workspace
         self.fp32_on_cuda: Counter[str] = Counter()
+        self.segments = AllocatorFeed()  # over both steps: segments are kept from one step to the next
 
     def see(self, func) -> torch.Tensor | None:
         """Note op `func`; returns the workspace it makes (a tensor to count from now on), or None."""

@@ -16,7 +16,12 @@ values are not on one line, a key one depth has and another lacks, or a peak
 that moves to another phase means the model is not made of blocks alike in
 that respect: the model is then traced whole, as it is with
 `plan.every_block=true`. Exact where it applies: the planner's own cases give
-the same bytes both ways (tests/unit/test_plan_depth.py).
+the same bytes both ways (tests/unit/test_plan_depth.py). But for a CUDA
+plan's reserved memory (Note [caching allocator] in
+parallel/planning/allocator.py): segments come as requests outgrow the cached
+blocks, in steps of 2 or 20 MiB or a request's size, so reserved is extended
+along its line, within 2 x 20 MiB (the mean step of the three depths, in
+whole 2 MiB, never under the total), and is never a reason to trace whole.
 
 The blocks are alike when they are one class and hold parameters and buffers
 of the same names, shapes and dtypes, and the same plain settings (ints,
@@ -38,6 +43,7 @@ from torch import nn
 
 from parallel.blocks import LISTS, repeated_blocks
 from parallel.config import cuda_run
+from parallel.planning.allocator import SMALL_SEGMENT
 from parallel.planning.work import Work, comm_bytes_of, step_work_of
 
 if TYPE_CHECKING:
@@ -135,6 +141,8 @@ def extend(plans: dict[int, list], depth: int, parent: str) -> list | None:
                   "comm_bytes": comm_bytes_of(tally["comm"] // 2, buckets), "flops": tally["flops"] // 2,
                   "ops": tally["ops"] // 2, "all_to_all_bytes": tally["all_to_all"] // 2,
                   "io_bytes": tally["io"] // 2, "calls": {}}
+        for name in RESERVED:  # on its line within a few segments, not to the byte: never a reason to trace whole
+            values[name] = _reserved_line(*(getattr(p, name) for p in (pa, pb, pc)), steps, values["total"])
         for f in fields(pc):
             if f.name in values or f.name in ("rank", "same_as", "peak_phase", "peak_module", "by_module"):
                 continue
@@ -186,6 +194,21 @@ def _tail(a: list, b: list, c: list, steps: int) -> list | None:
 _OFF = object()
 # bytes held at the peak: on their line to the byte
 EXACT = {"params", "grads", "optimizer", "activations", "temp", "total", "workspaces", "rounding"}
+
+
+# a CUDA plan's caching allocator's segments (Note [caching allocator] in parallel/planning/allocator.py)
+RESERVED = ("reserved", "reserved_expandable")
+
+
+def _reserved_line(a: int, b: int, c: int, steps: int, floor: int) -> int:
+    """A reserved count at `steps` more blocks: c extended by the mean step of a, b, c, in whole 2 MiB (every
+    segment's and page's multiple), never under `floor` (the plan's total, which the segments hold). Segments
+    are made as requests outgrow the cached blocks, so the three are on a line only within a few segments
+    (the planner's cases: within 2 x 20 MiB of the whole trace, tests/unit/test_plan_depth.py); 0 stays 0."""
+    if a == b == c == 0:
+        return 0
+    grown = c + steps * (c - a) / 2
+    return max(floor, -(-int(grown) // SMALL_SEGMENT) * SMALL_SEGMENT)
 
 
 def _line(a, b, c, steps: int, exact: bool = False):
