@@ -56,10 +56,13 @@ put back:
              inline and counted (a CPU plan leaves it out, as the CPU's
              per-thread measurement does).
 
+The caching allocator's segments, the cached free blocks and fragmentation
+included (max_memory_reserved over max_memory_allocated), are simulated from
+the step's requests and frees in order: `reserved` and `reserved_expandable`,
+Note [caching allocator] in parallel/planning/allocator.py.
+
 Left out: what takes device memory outside the caching allocator (the CUDA
-context, a few hundred MB per process; NCCL's buffers and channels) or inside
-it but not allocated (cached free blocks and fragmentation: memory_reserved
-over memory_allocated); and what max_memory_allocated counts that no tensor of
+context, a few hundred MB per process; NCCL's buffers and channels); and what max_memory_allocated counts that no tensor of
 the step shows: kernels' scratch (flash attention's fp32 accumulators in
 backward, cuDNN workspaces), the rest of a large cached block handed out whole
 (up to 1 MB a block), context parallelism's CUDA attention (planned as the CPU's
@@ -83,8 +86,8 @@ BLOCK = 512  # bytes: the caching allocator rounds every request up to a multipl
 HOPPER_WORKSPACE = 32 * 1024 * 1024  # torch's cuBLAS workspace on sm90 (and Blackwell in recent releases)
 OLDER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8", torch's default before Hopper
 
-LEFT_OUT = ["the CUDA context", "NCCL buffers", "cached free blocks and fragmentation (memory_reserved)",
-            "kernel scratch (flash-attention backward, cuDNN workspaces)"]
+LEFT_OUT = ["the CUDA context", "NCCL buffers", "kernel scratch (flash-attention backward, cuDNN workspaces)",
+            "the caching allocator's streams (reserved: planned as one)"]
 
 _aten = torch.ops.aten
 # Ops that call cuBLAS (and so make the calling thread's workspace), as they reach the dispatcher.
