@@ -80,9 +80,9 @@ import torch
 from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, strategy_spec
 from parallel.hardware import gpu_profile
 from parallel.memory.budget import budget_bytes
-from parallel.planning.allocator import held
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
+from parallel.planning.allocator import held
 from parallel.planning.cost import calibration_for, describe, replay_for, step_times
 from parallel.planning.on_profile import describe_profile, profile_times
 from parallel.planning.planner import plan
