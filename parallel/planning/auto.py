@@ -31,7 +31,9 @@ Candidates for W workers (the other strategy keys keep their defaults):
 Each is validated (a candidate the model cannot take, say tensor parallelism on
 a model with no Linear pairs, is dropped with the reason) and planned
 (parallel.planning.planner: its peak per rank, and the work of its step). Those whose
-largest rank peak exceeds `memory.budget` are dropped. The rest are ranked by
+largest rank peak exceeds `memory.budget` are dropped; a CUDA run's peak is the
+memory its caching allocator reserves (max_memory_reserved, Note [caching
+allocator] in parallel/planning/allocator.py), what the GPU must hold. The rest are ranked by
 the step time parallel.planning.cost predicts (Note [cost model]): the plan's work
 (Note [step work]) priced with the rates of plan.calibration (a
 calibration.json of launch/calibrate.py, Note [calibration]), else with this
@@ -80,6 +82,7 @@ from parallel.hardware import gpu_profile
 from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
+from parallel.planning.allocator import held
 from parallel.planning.cost import calibration_for, describe, replay_for, step_times
 from parallel.planning.on_profile import describe_profile, profile_times
 from parallel.planning.planner import plan
@@ -242,7 +245,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
         finally:
             quiet.setLevel(level)
         if cand.dropped is None:
-            cand.peak = max(p.total for p in plans)
+            cand.peak = max(held(p) for p in plans)  # a CUDA plan's reserved memory: Note [caching allocator]
             cand.times = step_times(c, plans, cal, world, disk, replay) if hw is None else \
                 profile_times(c, plans, world, hw, disk)
             if cand.peak > budget:

@@ -56,10 +56,13 @@ put back:
              inline and counted (a CPU plan leaves it out, as the CPU's
              per-thread measurement does).
 
+The caching allocator's segments, the cached free blocks and fragmentation
+included (max_memory_reserved over max_memory_allocated), are simulated from
+the step's requests and frees in order: `reserved` and `reserved_expandable`,
+Note [caching allocator] in parallel/planning/allocator.py.
+
 Left out: what takes device memory outside the caching allocator (the CUDA
-context, a few hundred MB per process; NCCL's buffers and channels) or inside
-it but not allocated (cached free blocks and fragmentation: memory_reserved
-over memory_allocated); and what max_memory_allocated counts that no tensor of
+context, a few hundred MB per process; NCCL's buffers and channels); and what max_memory_allocated counts that no tensor of
 the step shows: kernels' scratch (flash attention's fp32 accumulators in
 backward, cuDNN workspaces), the rest of a large cached block handed out whole
 (up to 1 MB a block), context parallelism's CUDA attention (planned as the CPU's
@@ -77,12 +80,14 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from parallel.planning.allocator import AllocatorFeed
+
 BLOCK = 512  # bytes: the caching allocator rounds every request up to a multiple of it
 HOPPER_WORKSPACE = 32 * 1024 * 1024  # torch's cuBLAS workspace on sm90 (and Blackwell in recent releases)
 OLDER_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8", torch's default before Hopper
 
-LEFT_OUT = ["the CUDA context", "NCCL buffers", "cached free blocks and fragmentation (memory_reserved)",
-            "kernel scratch (flash-attention backward, cuDNN workspaces)"]
+LEFT_OUT = ["the CUDA context", "NCCL buffers", "kernel scratch (flash-attention backward, cuDNN workspaces)",
+            "the caching allocator's streams (reserved: planned as one)"]
 
 _aten = torch.ops.aten
 # Ops that call cuBLAS (and so make the calling thread's workspace), as they reach the dispatcher.
@@ -130,8 +135,9 @@ def cublas_workspace(environ=os.environ) -> tuple[int, str]:
 
 class CudaAccount:
     """A rank role's CUDA-only memory over its planned steps, fed each op by the planner's tracker: the cuBLAS
-    workspaces (kept from the step that made them on); and, under `autocast_as_on_cuda`, the ops CUDA's autocast
-    runs in fp32.
+    workspaces (kept from the step that made them on); the caching allocator's segments (`segments`, fed every
+    storage made, freed and resized: Note [caching allocator] in parallel/planning/allocator.py); and, under
+    `autocast_as_on_cuda`, the ops CUDA's autocast runs in fp32.
 
     Args:
         fake: the plan's FakeTensorMode (the workspaces are fake tensors, made outside the counters).
@@ -142,6 +148,7 @@ class CudaAccount:
         self.fake, self.workspace = fake, workspace
         self.workspaces: dict[str, torch.Tensor] = {}  # "forward" / "backward" thread -> its workspace
         self.fp32_on_cuda: Counter[str] = Counter()
+        self.segments = AllocatorFeed()  # over both steps: segments are kept from one step to the next
 
     def see(self, func) -> torch.Tensor | None:
         """Note op `func`; returns the workspace it makes (a tensor to count from now on), or None."""

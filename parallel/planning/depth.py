@@ -16,7 +16,15 @@ values are not on one line, a key one depth has and another lacks, or a peak
 that moves to another phase means the model is not made of blocks alike in
 that respect: the model is then traced whole, as it is with
 `plan.every_block=true`. Exact where it applies: the planner's own cases give
-the same bytes both ways (tests/unit/test_plan_depth.py).
+the same bytes both ways (tests/unit/test_plan_depth.py). But for a CUDA
+plan's reserved memory (Note [caching allocator] in
+parallel/planning/allocator.py): segments come as requests outgrow the cached
+blocks, and a freed one is refilled by later blocks until used up: what is
+cached over the total is no line over depth. The extended plan's reserved is
+its total and the most cached over the total at the three depths, and is
+never a reason to trace whole: on the planner's cases (the tiny gpt) within
+2 x 20 MiB of the whole trace; on the 697M Llama of benchmarks/gpu.py -1.3%
+(expandable segments +0.2%).
 
 The blocks are alike when they are one class and hold parameters and buffers
 of the same names, shapes and dtypes, and the same plain settings (ints,
@@ -38,6 +46,7 @@ from torch import nn
 
 from parallel.blocks import LISTS, repeated_blocks
 from parallel.config import cuda_run
+from parallel.planning.allocator import SMALL_SEGMENT
 from parallel.planning.work import Work, comm_bytes_of, step_work_of
 
 if TYPE_CHECKING:
@@ -135,6 +144,8 @@ def extend(plans: dict[int, list], depth: int, parent: str) -> list | None:
                   "comm_bytes": comm_bytes_of(tally["comm"] // 2, buckets), "flops": tally["flops"] // 2,
                   "ops": tally["ops"] // 2, "all_to_all_bytes": tally["all_to_all"] // 2,
                   "io_bytes": tally["io"] // 2, "calls": _calls(pa.calls, pb.calls, pc.calls, steps)}
+        for name in RESERVED:  # not on a line: never a reason to trace whole
+            values[name] = _reserved_line((pa, pb, pc), name, values["total"])
         for f in fields(pc):
             if f.name in values or f.name in ("rank", "same_as", "peak_phase", "peak_module", "by_module"):
                 continue
@@ -198,6 +209,22 @@ def _tail(a: list, b: list, c: list, steps: int) -> list | None:
 _OFF = object()
 # bytes held at the peak: on their line to the byte
 EXACT = {"params", "grads", "optimizer", "activations", "temp", "total", "workspaces", "rounding"}
+
+
+# a CUDA plan's caching allocator's segments (Note [caching allocator] in parallel/planning/allocator.py)
+RESERVED = ("reserved", "reserved_expandable")
+
+
+def _reserved_line(plans: tuple, name: str, total: int) -> int:
+    """A reserved count (`name`) of the plans at DEPTHS, at the depth whose total is `total`: that total and the
+    most the allocator cached over the total at the three depths, in whole 2 MiB (every segment's and page's
+    multiple); 0 stays 0. Not the line of the three: a freed segment is refilled by the blocks after it until
+    it is used up and the next is made (a sawtooth over depth: every 4 blocks on the 697M Llama, Note
+    [caching allocator]), so the three depths see part of one period (tests/unit/test_plan_depth.py)."""
+    if all(getattr(p, name) == 0 for p in plans):
+        return 0
+    over = max(getattr(p, name) - p.total for p in plans)
+    return -(-(total + max(over, 0)) // SMALL_SEGMENT) * SMALL_SEGMENT
 
 
 def _line(a, b, c, steps: int, exact: bool = False):

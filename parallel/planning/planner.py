@@ -92,6 +92,7 @@ from parallel.flops import Flops
 from parallel.init import Blank
 from parallel.memory.tracker import LiveTensorBytes, state_tensors
 from parallel.models.build import build_meta_model
+from parallel.planning.allocator import reserved_of
 from parallel.planning.comm import CommBytes
 from parallel.planning.cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
 from parallel.planning.depth import DEPTHS, block_list, cut, extend, traced_whole
@@ -152,6 +153,8 @@ class RankPlan:
     rounding: int = 0  # what the caching allocator's 512-byte rounding adds at the peak (in the kinds)
     host_pinned: int = 0  # pinned host memory offload's cpu tier holds at most: the host's, not in total
     fp32_on_cuda: dict = field(default_factory=dict)  # op -> calls a step, run in fp32 as CUDA's autocast does
+    reserved: int = 0  # max_memory_reserved: the caching allocator's segments (Note [caching allocator])
+    reserved_expandable: int = 0  # the same with expandable_segments:True
 
 
 class _PeakTracker(LiveTensorBytes):
@@ -195,6 +198,8 @@ class _PeakTracker(LiveTensorBytes):
             # On a real process group waiting returns the collective's own output; the fake kernel
             # returns a copy, which would count the result twice while both live.
             return args[0]
+        if self.cuda is not None:  # storages resized in place since the last op (FSDP's): Note [caching allocator]
+            self.cuda.segments.sync()
         if func is torch.ops.c10d._reduce_scatter_base_.default and self.gloo:
             self._held_while_running(args[1])
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -203,6 +208,11 @@ class _PeakTracker(LiveTensorBytes):
             self._add(made)
             self._update()
         return out
+
+    def _add(self, t: torch.Tensor) -> None:
+        super()._add(t)
+        if self.cuda is not None and t.device.type == self.device_type:
+            self.cuda.segments.add(t)  # a request of the caching allocator's, in the step's order
 
     def _held_while_running(self, t: torch.Tensor) -> None:
         """Gloo reduce-scatters a copy of the whole input: one more storage of its size while it runs."""
@@ -410,6 +420,7 @@ def _rank_plan(rank: int, tracker, modules, flops, comm, work: Work, ddp: DDPSta
                     workspaces=tracker.workspaces, host_pinned=io.pinned[1],
                     phases={name: peak_row(row) for name, row in phases.items()},
                     rounding=tracker.peak - tracker.raw + held - buckets if cuda is not None else 0,
+                    **reserved_of(cuda, ddp.bucket_sizes()),
                     fp32_on_cuda={k: n // 2 for k, n in cuda.fp32_on_cuda.items()} if cuda is not None else {})
 
 

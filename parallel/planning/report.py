@@ -112,6 +112,10 @@ def _cuda_notes(cfg, plans) -> dict:
           f"matrix products ({human_bytes(worst.workspaces)} at that peak; {source}); the optimizer's foreach "
           f"temporaries" + (f"; offload's pinned host memory, {human_bytes(pinned)} (the host's, not in total)"
                            if pinned else ""))
+    for p in plans:  # the caching allocator's segments (Note [caching allocator] in parallel/planning/allocator.py)
+        print(f"CUDA, reserved: rank {p.rank}: {human_bytes(p.reserved)} (torch.cuda.max_memory_reserved; "
+              f"{human_bytes(p.reserved - p.total)} cached over the total), {human_bytes(p.reserved_expandable)} with "
+              f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; memory.budget is checked against it")
     print(f"CUDA, left out: {', '.join(LEFT_OUT)}: leave room for them under memory.budget")
     ops = {}
     for p in plans:

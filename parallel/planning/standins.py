@@ -144,6 +144,15 @@ class DDPStandIn:
         """The buckets DDP holds: fp32, as the gradients."""
         return sum(self._bytes(m) for m, _, _ in self.models)
 
+    def bucket_sizes(self, cap: int = 25 << 20) -> list[int]:
+        """The buckets' bytes one by one, as DDP's caching allocator requests them: each model's of `cap`
+        (bucket_cap_mb's default, 25 MiB) but the last."""
+        out = []
+        for m, _, _ in self.models:
+            n = self._bytes(m)
+            out += [cap] * (n // cap) + ([n % cap] if n % cap else [])
+        return out
+
     def copy_gradients(self, counter) -> None:
         """Run, under the dispatch mode `counter` (the planner's parallel.planning.work.Work), what DDP's reducer does
         to each gradient in a step, its buckets being copies and not views of the gradients: the gradient

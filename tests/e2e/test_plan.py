@@ -250,6 +250,9 @@ def test_a_plan_for_cuda_says_so_and_names_what_it_leaves_out(tmp_path):
     assert record["device"] == "cuda" and record["cuda"]["precision"] == "bf16 autocast"
     assert {"the CUDA context", "NCCL buffers"} <= set(record["cuda"]["left_out"])
     assert record["ranks"][0]["workspaces"] == 2 * record["cuda"]["cublas_workspace"]  # forward's and backward's
+    rank = record["ranks"][0]  # the caching allocator's segments (Note [caching allocator])
+    assert rank["reserved"] >= rank["total"] and rank["reserved_expandable"] >= rank["total"]
+    assert "CUDA, reserved: rank 0:" in out and "expandable_segments:True" in out
 
 
 @pytest.mark.timeout(200)

@@ -1,6 +1,8 @@
 """Plans of CUDA runs made on this CPU-only host (Note [planning for CUDA] in parallel/planning/cuda.py): bf16 autocast's
 tensors, the caching allocator's rounding, cuBLAS workspaces, torch.optim's foreach step, offload's pinned host
 memory, and strategy=auto choosing for a GPU it does not see."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -58,7 +60,24 @@ def test_a_cuda_plan_runs_here_with_bf16_activations_rounding_and_workspaces():
     assert cuda.peak_phase == "backward" and cuda.workspaces == 2 * HOPPER_WORKSPACE
     assert cuda.temp >= cuda.workspaces and cuda.rounding > 0 and cuda.fp32_on_cuda == {}
     assert sum(getattr(cuda, k) for k in KINDS) == cuda.total
-    assert (cpu.workspaces, cpu.rounding, cpu.host_pinned) == (0, 0, 0)
+    assert (cpu.workspaces, cpu.rounding, cpu.host_pinned, cpu.reserved, cpu.reserved_expandable) == (0,) * 5
+
+
+@no_gpu
+def test_a_cuda_plan_holds_what_the_caching_allocator_reserves():
+    """The tiny gpt's step replayed through the simulated caching allocator (Note [caching allocator]): reserved
+    holds the total, in whole 2 MiB; the two 32 MiB cuBLAS workspaces are segments of their own by default and
+    40 MiB of 20 MiB pages each with expandable segments; plan.json has both."""
+    cfg = Config()
+    cfg.model.name, cfg.data.task, cfg.data.seq_len, cfg.trainer.batch_size = "gpt", "lm", 16, 8
+    cfg.model.args = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "layers": 2}
+    cfg.trainer.device = "cuda"
+    validate(cfg, 1)
+    (cuda,) = plan(cfg, 1)
+    assert cuda.total <= cuda.reserved < cuda.total + 4 * 2**20 and cuda.reserved % 2**20 == 0
+    assert cuda.reserved_expandable >= 2 * 40 * 2**20 > cuda.reserved
+    record = {k: v for k, v in vars(cuda).items() if k not in ("by_module", "calls", "tally")}  # as plan.json
+    assert json.loads(json.dumps(record))["reserved"] == cuda.reserved
 
 
 @no_gpu
