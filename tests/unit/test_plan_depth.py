@@ -16,7 +16,6 @@ from parallel.validate import validate
 GPT = {"vocab_size": 64, "seq_len": 16, "dim": 32, "heads": 4, "layers": 5}
 CUDA = {"trainer.device": "cuda", "trainer.precision": "bf16"}
 CASES = {
-    "single_cuda": (1, CUDA),
     "data_zero3_cuda": (2, {"strategy.name": "data", "strategy.zero": 3, **CUDA}),
     "checkpoint_cuda": (1, {"strategy.activations": "checkpoint", **CUDA}),  # its peak moves to the optimizer
     # a CPU run's plan replays its op calls here and is traced whole (traced_whole); its bytes extend alike

@@ -96,6 +96,6 @@ def test_selective_op_under_fsdp2_in_bf16_plans_between_keeping_and_recomputing(
         validate(cfg, 2)
         return plan(cfg, 2)[0]
 
-    device, op, checkpoint = (planned(**s) for s in ({}, {"activations": "selective"}, {"activations": "checkpoint"}))
-    assert device.total >= op.total >= checkpoint.total  # the cuBLAS workspaces (64 MiB) dwarf the activations
-    assert device.activations > op.activations and op.flops == device.flops < checkpoint.flops and device.ops < op.ops
+    device, op = planned(), planned(activations="selective")
+    assert device.total >= op.total  # the cuBLAS workspaces (64 MiB) dwarf the activations
+    assert device.activations > op.activations and op.flops == device.flops and device.ops < op.ops
