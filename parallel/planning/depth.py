@@ -10,11 +10,15 @@ the plan needs it. So the planner traces the model with its block list cut to
 DEPTHS (2, 3 and 4 blocks; the first and last block of a list are the ones a
 strategy treats apart: FSDP2 keeps the last block's gathered weights for
 backward, a pipeline's stages begin and end at blocks) and extends every
-count of the plan (each memory kind, the total, the step's work and
-collectives, by kind and size) along the line they draw. A count whose three
-values are not on one line, a key one depth has and another lacks, or a peak
-that moves to another phase means the model is not made of blocks alike in
-that respect: the model is then traced whole, as it is with
+count of the plan along the line they draw: each phase's peak by kind (the
+step's peak is the largest extended, which may sit in another phase than at
+the depths traced: recomputed blocks peak in backward when shallow and at the
+optimizer's step when deep), the raw tallies of the step's work and
+collectives (the ops outside forward and backward apart: one per parameter
+grows in number, a foreach op over every parameter in size), DDP's buckets,
+and the op calls of every depth. A count whose three values are not on one
+line, or a key one depth has and another lacks, means the model is not made
+of blocks alike in that respect: the model is then traced whole, as it is with
 `plan.every_block=true`. Exact where it applies: the planner's own cases give
 the same bytes both ways (tests/unit/test_plan_depth.py). But for a CUDA
 plan's reserved memory (Note [caching allocator] in
@@ -30,10 +34,13 @@ The blocks are alike when they are one class and hold parameters and buffers
 of the same names, shapes and dtypes, and the same plain settings (ints,
 floats, strings, bools) but those that number the block (Hugging Face's
 `layer_idx`). Gemma's alternating sliding and full attention differ in a
-setting, and such a model is traced whole. Planned whole as well: a pipeline
-(its split follows the blocks' weight; a stage role per stage), a model with
-more than one list of blocks (an encoder and a decoder), `plan.by_module`
-(its table names every block).
+setting, and such a model is traced whole. Planned whole as well
+(`traced_whole`): a pipeline (its split follows the blocks' weight; a stage
+role per stage), ZeRO-1, a model with more than one list of blocks (an encoder
+and a decoder), `plan.by_module` (its table names every block), and a step
+whose op calls are replayed on this machine for its time (a CPU run, a CUDA
+run planned on a GPU host: the replay wants every call, and those over every
+parameter differ with the depth).
 """
 from __future__ import annotations
 
