@@ -276,7 +276,7 @@ def qwen3_moe(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: in
     return Qwen3MoeForCausalLM(cfg)
 
 
-DATA.update({name: DATA["llama"] for name in ("mixtral", "qwen3_moe")})
+DATA.update({name: DATA["llama"] for name in ("mixtral", "qwen3_moe", "gpt_oss")})
 
 
 def gpt_oss(vocab_size: int = 64, seq_len: int = 16, dim: int = 32, layers: int = 2, heads: int = 4,
