@@ -2,13 +2,15 @@
 parallel/planning/calibration.py).
 
     python launch/calibrate.py [nproc=N] [trainer.device=auto|cpu|cuda] [out=calibration.json] [runs=true|false]
-                               [profile=hardware/NAME.yaml]
+                               [rounds=3] [profile=hardware/NAME.yaml]
 
 Starts N processes at once, as a run of N workers does (N: the GPUs under CUDA, else 1), measures matrix
 products by size, memory-bound ops, reference training steps, and every collective kind on every group size
 dividing N; then (N > 1) runs the framework itself on N workers (data zero 3, model, pipeline; on GPUs also
 data zero 0) to fit what collectives and sends cost inside a step (runs=false: not, ~20 s less here; they
-are then priced as measured alone); writes calibration.json. Use it with `plan.calibration=PATH` in
+are then priced as measured alone); writes calibration.json. The reference steps are timed `rounds` times
+between the other measurements (default 3; rounds=1 calibrates in about half the time, less steady where
+the machine's speed drifts). Use it with `plan.calibration=PATH` in
 launch/plan.py and with strategy=auto; made on one node of a cluster, it prices plans for that cluster.
 On CUDA it also writes a hardware profile of the GPU (parallel/planning/gpu_profile.py: its products measured by
 shape, its memory's and host link's bandwidth, its peaks from its name) to `profile` (default
@@ -35,7 +37,8 @@ from parallel.planning.cost import describe  # noqa: E402
 from parallel.planning.gpu_profile import known_profile, measure_gpu, profile_text, slug, write_profile  # noqa: E402
 from parallel.planning.reference_runs import fit_to_runs  # noqa: E402
 
-OPTIONS = {"nproc": None, "trainer.device": "auto", "out": "calibration.json", "runs": "true", "profile": None}
+OPTIONS = {"nproc": None, "trainer.device": "auto", "out": "calibration.json", "runs": "true", "rounds": "3",
+           "profile": None}
 
 
 def parse(argv: list[str]) -> dict:
@@ -66,10 +69,13 @@ def parse(argv: list[str]) -> dict:
     if cuda and nproc > gpus:
         raise ConfigError(f"nproc={nproc}: {gpus} GPU(s) visible (CUDA_VISIBLE_DEVICES="
                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); one process per GPU")
+    rounds = options["rounds"]
+    if not rounds.isdigit() or not 1 <= int(rounds) <= 10:
+        raise ConfigError(f"rounds={rounds!r}: an integer from 1 to 10")
     if options["profile"] is not None and not cuda:
         raise ConfigError(f"profile={options['profile']!r}: a hardware profile is written of a GPU (trainer.device=cuda)")
     return {"nproc": nproc, "cuda": cuda, "out": options["out"], "runs": options["runs"] == "true",
-            "profile": options["profile"]}
+            "rounds": int(rounds), "profile": options["profile"]}
 
 
 @reported
@@ -81,7 +87,7 @@ def main() -> None:
     print(f"calibrate: {options['nproc']} process(es) on {'CUDA' if options['cuda'] else 'the CPU'}: products, "
           f"memory-bound ops, op cost" + (", collectives" if options["nproc"] > 1 else "") + " ...", flush=True)
     t0 = time.perf_counter()
-    cal = calibrate(options["nproc"], options["cuda"])
+    cal = calibrate(options["nproc"], options["cuda"], rounds=options["rounds"])
     if options["nproc"] > 1 and options["runs"]:
         print(f"calibrate: the framework's own runs on {options['nproc']} workers ("
               f"{'data zero 0 and 3' if options['cuda'] else 'data zero 3'}, model, pipeline) ...", flush=True)

@@ -227,7 +227,7 @@ def _send_pair(x: torch.Tensor, me: int, group) -> None:
         dist.recv(x, group_src=peer, group=group)
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool) -> None:
+def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool, rounds: int = 3) -> None:
     """One measuring process of launch/calibrate.py: compute first (all processes at once), then the
     collectives; each writes its figures to `out_dir`/rank<R>.json."""
     import torch.distributed as dist
@@ -243,16 +243,21 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool
                             world_size=world, device_id=device if use_cuda else None)
     try:
         dist.barrier()
-        # the reference steps three times, seconds apart, between the other measurements (a few seconds of
-        # steps can find the machine a fifth faster or slower than the next few; Note [calibration])
+        # the reference steps `rounds` times (3 by default), seconds apart, between the other measurements (a
+        # few seconds of steps can find the machine a fifth faster or slower than the next few; Note
+        # [calibration])
+        def again() -> list:
+            return measure_steps(device, together=dist.barrier, replay=rank == 0, workers=world, probe_s=probe)[0]
+
         products = measure_products(device)
         steps, probe = measure_steps(device, together=dist.barrier, replay=rank == 0, workers=world)
         memory = measure_memory(device)
-        steps += measure_steps(device, together=dist.barrier, replay=rank == 0, workers=world, probe_s=probe)[0]
+        steps += again() if rounds > 1 else []
         dtensor_op = measure_dtensor_op(device)
         dist.barrier()
         comm = measure_comm(rank, world, device) if world > 1 else {}
-        steps += measure_steps(device, together=dist.barrier, replay=rank == 0, workers=world, probe_s=probe)[0]
+        for _ in range(rounds - 2):
+            steps += again()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"products": products, "memory": memory, "steps": steps, "probe_s": probe, "comm": comm,
                        "dtensor_op_s": dtensor_op,
@@ -262,12 +267,13 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, use_cuda: bool
         dist.destroy_process_group()
 
 
-def calibrate(world: int, use_cuda: bool) -> Calibration:
-    """Measure this machine with `world` processes at once (launch/calibrate.py, Note [calibration])."""
+def calibrate(world: int, use_cuda: bool, rounds: int = 3) -> Calibration:
+    """Measure this machine with `world` processes at once (launch/calibrate.py, Note [calibration]), the
+    reference steps `rounds` times."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, use_cuda), nprocs=world,
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, use_cuda, rounds), nprocs=world,
                            start_method="spawn")
         ranks = []
         for r in range(world):

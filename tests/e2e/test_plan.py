@@ -153,11 +153,11 @@ def test_bad_input_is_a_config_error_naming_the_key(tmp_path, args, message):
 
 @pytest.mark.timeout(120)
 def test_a_calibration_made_here_prices_the_plan(tmp_path):
-    """launch/calibrate.py on 2 processes (products, memory, reference steps, every collective; the framework's
-    own reference runs left out), then a plan priced with it (Note [cost model]): the predicted step time and its
-    terms, printed and in plan.json."""
+    """launch/calibrate.py on 2 processes (products, memory, reference steps in one round, every collective; the
+    framework's own reference runs left out), then a plan priced with it (Note [cost model]): the predicted step
+    time and its terms, printed and in plan.json."""
     cal = tmp_path / "calibration.json"
-    out = cli.run_script(str(cli.ROOT / "launch" / "calibrate.py"), ["nproc=2", f"out={cal}", "runs=false"],
+    out = cli.run_script(str(cli.ROOT / "launch" / "calibrate.py"), ["nproc=2", f"out={cal}", "runs=false", "rounds=1"],
                          cwd=tmp_path, timeout=100).stdout
     assert f"written: {cal}" in out and "2 process(es)" in out
     rates = json.loads(cal.read_text())
@@ -178,8 +178,9 @@ def test_a_calibration_made_here_prices_the_plan(tmp_path):
     t = step["predicted_s"]
     assert step["calibration"] == str(cal) and t["comm"] > 0 and t["bubble"] == 0
     assert t["step"] == pytest.approx(t["products"] + t["memory"] + t["ops"] + t["comm"])
-    bad = cli.run_script(str(cli.ROOT / "launch" / "calibrate.py"), ["nproc=0"], cwd=tmp_path)
-    assert bad.returncode == 2 and "nproc='0'" in bad.stderr and "Traceback" not in bad.stderr
+    for arg, words in (("nproc=0", "nproc='0'"), ("rounds=0", "rounds='0': an integer from 1 to 10")):
+        bad = cli.run_script(str(cli.ROOT / "launch" / "calibrate.py"), [arg], cwd=tmp_path)
+        assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr
 
 
 def _validated(overrides: list[str], world: int):
