@@ -14,9 +14,10 @@ from parallel.init import InitPlan, init_plan
 from parallel.init.files import WeightFileError, WeightFiles, save_weights
 from parallel.init.values import ByName, ConstructedBuffers, FromFiles, Values
 from parallel.memory.host import available_host_memory
-from parallel.models.build import ModelRecipe, build_model, pretrained_dir, weights_path
+from parallel.models.build import build_model
 from parallel.models.hf_conversion import converted
 from parallel.models.lora import base_name
+from parallel.models.recipe import ModelRecipe, pretrained_dir, weights_path
 from parallel.units import human_bytes
 
 SHOWN = 8  # names listed per kind of problem; the rest are counted
