@@ -13,12 +13,15 @@ A run builds its model in one pass, each step in one place, in this order:
 3. its adapters, `add_adapters` at the end of `build_model` (Note [LoRA]), as the user's script puts them on;
 4. `freeze`, on the meta model, before any strategy sees it (`meta_model` does 2 to 4 on the meta device);
 5. its initial values, `initial_values` (parallel.models.weights; Note [initial values]).
-The trainer resolves the recipe once and hands it to `meta_model` and to `initial_values`, which builds
-the model again, through `build_model`, where it needs real tensors: rank 0's own CPU build under
-`torch.manual_seed(trainer.seed)`, or the buffers a constructor computes.
+The trainer resolves the recipe once and hands it to `meta_model` and to `initial_values`. The meta model holds
+no values: where the run needs the model's own, global rank 0 alone builds it once more, through
+`build_model` with the seed (`torch.manual_seed(trainer.seed)`, then the user's script: with pretrained weights
+that cover the model, with its parameters on the meta device, for the buffers its constructor computes), and
+every rank reads its pieces of what rank 0 wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import os
@@ -60,6 +63,36 @@ def build_model(recipe: ModelRecipe, seed: int | None = None) -> nn.Module:
     if seed is not None:
         fill_own_kinds(model, seed)
     return add_adapters(model, recipe.adapters)  # after the user's build, as their script adds them
+
+
+def build_buffers(recipe: ModelRecipe, seed: int) -> nn.Module:
+    """The model `build_model` builds, with its parameters on the meta device and its buffers as its constructor
+    computes them under `torch.manual_seed(seed)` (the caller's generator left as it was): the values of the
+    buffers pretrained weight files do not hold (Note [initial values]), without allocating a parameter."""
+    with torch.random.fork_rng(devices=[]), _parameters_on_meta():
+        torch.manual_seed(seed)
+        return build_model(recipe)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build a model with its parameters on the meta device and its buffers real.
+
+    Written here because PyTorch has no such mode (`torch.device("meta")` puts buffers there too): every
+    parameter a module registers goes to meta as it is registered; what `__init__` computes for buffers stays.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def meta_model(recipe: ModelRecipe) -> nn.Module:
