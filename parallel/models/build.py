@@ -97,7 +97,7 @@ def _parameters_on_meta():
 
 def meta_model(recipe: ModelRecipe) -> nn.Module:
     """The model `recipe` describes on the meta device (no memory), its adapters on and `model.freeze` applied,
-    checked to be an nn.Module that can be initialized (steps 2 to 4 of Note [building a model])."""
+    checked to be an nn.Module (steps 2 to 4 of Note [building a model])."""
     try:
         with torch.device("meta"):
             model = build_model(recipe)
@@ -110,11 +110,6 @@ def meta_model(recipe: ModelRecipe) -> nn.Module:
         fail("model._target_" if recipe.target else "model.name", recipe.target or recipe.name,
              f"must return an nn.Module, returned {type(model).__name__}")
     freeze(model, recipe.freeze)
-    if recipe.init == "name":
-        try:
-            check_initializable(model)
-        except ValueError as e:
-            fail("model.init", recipe.init, str(e))
     return model
 
 
@@ -144,8 +139,8 @@ def freeze(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> None:
 
 
 def check_model(m: ModelConfig) -> nn.Module:
-    """The factory exists, accepts `model.args`, and builds an initializable module; returns it (on meta), which
-    the checks after it read (validation builds it once)."""
+    """The factory exists, accepts `model.args`, and builds a module that model.init can initialize; returns it
+    (on meta), which the checks after it read (validation builds it once)."""
     if m.frozen_checkpoint is not None and not os.path.isfile(m.frozen_checkpoint):
         fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
     if m.init not in INITS:
@@ -165,7 +160,13 @@ def check_model(m: ModelConfig) -> nn.Module:
             fail("model.args", dict(m.args),
                  f"do not fit {getattr(recipe.factory, '__qualname__', recipe.factory)}{sig}: {e}{hint}",
                  list(sig.parameters))
-    return meta_model(recipe)
+    model = meta_model(recipe)
+    if recipe.init == "name":
+        try:
+            check_initializable(model)
+        except ValueError as e:
+            fail("model.init", recipe.init, str(e))
+    return model
 
 
 def check_model_takes_data(cfg: Config, model: nn.Module | None = None, data: DataSpec | None = None):
