@@ -9,8 +9,7 @@ Mixtral's adapters as the user's own PEFT loop trains them."""
 import pytest
 import torch
 
-from tests import cli
-from tests import hf_models
+from tests import cli, hf_models
 from tests.hf_models import DATA, HF_FAST, assert_as, mixtral, plain_from_pretrained, plain_loop
 
 STRATEGIES = {"single": [], "data_zero3": ["nproc=2", "strategy=data", "strategy.zero=3"],
