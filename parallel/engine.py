@@ -46,17 +46,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from parallel.aux_weight import AuxWeights
-from parallel.config import Config, bf16_run
 from parallel.loss import Loss
 from parallel.optim import clip_grad_norm, param_state
 from parallel.tensors import call_model, rank_optimizer, split_rows
 
 
-def autocast(cfg: Config, device: torch.device):
-    """bf16 autocast on the run's device under trainer.precision=bf16 (auto: on CUDA only, so that on the CPU
-    every strategy is checked against `single` in fp32 to 1e-4); Note [mixed precision] in
+def autocast(bf16: bool, device: torch.device):
+    """bf16 autocast on the run's device when `bf16` (`bf16_run`: trainer.precision=bf16, or auto on CUDA only,
+    so that on the CPU every strategy is checked against `single` in fp32 to 1e-4); Note [mixed precision] in
     parallel/strategies/data.py."""
-    if not bf16_run(cfg):
+    if not bf16:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -188,19 +187,21 @@ class LocalEngine(Engine):
 
     Args:
         model: the parallelized, materialized model.
-        cfg: the run config.
         loss: the run's loss (Note [global loss] in parallel/loss.py).
         loss_group: the group whose ranks each hold a slice of the batch (data parallel).
         device: this rank's device.
+        accum: the micro-steps of a step (trainer.grad_accum).
+        bf16: whether the forward runs under bf16 autocast (`autocast`).
         sequence: context parallelism's layout (parallel.strategies.context.SequenceShard): each batch is cut to
             this rank's chunks of every sequence, inputs and targets alike, and the model is told their
             positions (`position_ids`); None: whole sequences.
         state_sharding: ZeRO 1's layout of the optimizer state (parallel.optim.StateSharding), or None.
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, loss: Loss, loss_group, device: torch.device, sequence=None,
-                 state_sharding=None):
-        self.model, self.cfg, self.loss, self.loss_group, self.device = model, cfg, loss, loss_group, device
+    def __init__(self, model: nn.Module, loss: Loss, loss_group, device: torch.device, accum: int, bf16: bool,
+                 sequence=None, state_sharding=None):
+        self.model, self.loss, self.loss_group, self.device = model, loss, loss_group, device
+        self.accum, self.bf16 = accum, bf16
         self.sequence, self.state_sharding = sequence, state_sharding
         self.aux = AuxWeights([model])  # Note [auxiliary weight] in parallel/aux_weight.py
 
@@ -213,7 +214,7 @@ class LocalEngine(Engine):
         return self.model(xs, position_ids=self.sequence.position_ids(xs))
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        accum = self.cfg.trainer.grad_accum
+        accum = self.accum
         scale = grad_average(self.loss_group)
         x, y = self._local(x, y)
         self.loss.start_step(y, self.loss_group, scale)
@@ -223,7 +224,7 @@ class LocalEngine(Engine):
             # Gradients are reduced across data-parallel ranks only on the last micro-step.
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 / replicate modules have it
                 self.model.set_requires_gradient_sync(i == accum - 1)
-            with autocast(self.cfg, self.device):
+            with autocast(self.bf16, self.device):
                 loss = self.loss(self._forward(xs), ys)  # already a share of the global loss: no / accum
             loss.backward()
             total += loss.detach().float()
@@ -231,12 +232,12 @@ class LocalEngine(Engine):
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # In the training microbatches' size: the memory a step has room for.
-        accum = self.cfg.trainer.grad_accum
+        accum = self.accum
         x, y = self._local(x, y)
         scores = torch.zeros(3, dtype=torch.float64, device=y.device)
         with evaluating([self.model]):
             for xs, ys in zip(split_rows(x, accum), y.chunk(accum)):
-                with autocast(self.cfg, self.device):
+                with autocast(self.bf16, self.device):
                     scores += self.loss.score(self._forward(xs), ys)
         return scores
 

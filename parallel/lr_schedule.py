@@ -97,11 +97,11 @@ def check_schedule(cfg: Config) -> None:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
-    """optim.scheduler._target_ built as `cls(optimizer, **args)`, else optim.schedule (Note [lr schedule])."""
+    """optim.schedule (Note [lr schedule]), or optim.scheduler._target_ built as `cls(optimizer, **args)`."""
     o = cfg.optim
-    if o.scheduler._target_ is not None:
-        return scheduler_class(o)(optimizer, **o.scheduler.args)
-    return LambdaLR(optimizer, _factor(o, cfg.trainer.steps))
+    if o.scheduler._target_ is None:
+        return LambdaLR(optimizer, _factor(o, cfg.trainer.steps))
+    return scheduler_class(o)(optimizer, **o.scheduler.args)
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:

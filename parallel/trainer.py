@@ -27,8 +27,9 @@ from parallel.lr_schedule import build_scheduler
 from parallel.memory.oom import out_of_memory
 from parallel.metrics import Metrics, PeakMemory, console_on, gather_ints, log, process_peak_rss, progress_bar
 from parallel.models import weights
-from parallel.models.build import build_meta_model, model_recipe
+from parallel.models.build import meta_model
 from parallel.models.moe_stats import moe_record
+from parallel.models.recipe import model_recipe
 from parallel.nonfinite import AgreedStop, Guard
 from parallel.optim import all_sum, build_optimizer, param_names
 from parallel.profiling import Profiling, run_phase
@@ -87,7 +88,7 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     """
     mesh = dims.build_mesh(runtime.device.type) if mesh is None else mesh
     recipe = model_recipe(cfg.model)  # what to build, resolved once (Note [building a model])
-    model = build_meta_model(recipe) if model is None else model
+    model = meta_model(recipe) if model is None else model
     # Training mode, as a user's loop sets it: a factory may return a model in eval mode (Hugging Face's
     # from_pretrained does), which would turn dropout off and BatchNorm to its running statistics.
     model.train()

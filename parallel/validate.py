@@ -38,7 +38,7 @@ from parallel.loss import check_loss, check_loss_config, derive_output_loss
 from parallel.lr_schedule import check_schedule
 from parallel.memory.budget import check_memory
 from parallel.models.build import check_model, check_model_takes_data
-from parallel.models.hf import derive_auto_class
+from parallel.models.recipe import derive_auto_class
 from parallel.models.weights import check_weights
 from parallel.optim import check_optim, check_optimizer
 from parallel.preemption import check_requeue

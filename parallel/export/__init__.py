@@ -36,8 +36,9 @@ from parallel.export.files import shards, unsupported, write_weights
 from parallel.export.hf import is_hf, write_hf_files
 from parallel.export.names import LORA_MODES, exported_tensors, trained_lora
 from parallel.export.source import FINAL, Located, WithBase, locate, open_weights, run_config
-from parallel.models.build import build_meta_model, build_model, model_recipe
+from parallel.models.build import build_model, meta_model
 from parallel.models.lora import adapter_names
+from parallel.models.recipe import model_recipe
 from parallel.units import human_bytes, parse_bytes
 
 OPTIONS = ("checkpoint", "out", "overwrite", "lora", "max_shard_size")
@@ -103,7 +104,7 @@ def export(options: ExportOptions, cfg: Config | None = None) -> str:
     cfg = cfg if cfg is not None else run_config(located.run_dir, options.checkpoint)
     out = _check_out(options, located)
     recipe = model_recipe(cfg.model)
-    model = build_meta_model(recipe)
+    model = meta_model(recipe)
     hf = is_hf(model)
     lora = trained_lora(cfg.model)
     adapter = lora and options.lora == "adapter"

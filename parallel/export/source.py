@@ -36,9 +36,9 @@ from parallel.checkpoint import META, incomplete, newest_complete
 from parallel.config import Config, ConfigError, RunError, error_text, fail
 from parallel.init import init_plan
 from parallel.init.values import FromFiles
-from parallel.models.build import ModelRecipe, build_model
-from parallel.models.hf import derive_auto_class
+from parallel.models.build import build_model
 from parallel.models.lora import base_name
+from parallel.models.recipe import ModelRecipe, derive_auto_class
 from parallel.models.weights import weight_files
 
 FINAL = "final_model.pt"

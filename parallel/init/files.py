@@ -47,10 +47,6 @@ def find_weights(path: str) -> list[Path]:
     return [p]
 
 
-def has_weights(directory: str) -> bool:
-    return any((Path(directory) / name).is_file() for name in WEIGHT_NAMES)
-
-
 class WeightFiles:
     """Every tensor of the weight files at `path`: its name, shape and dtype, and its pieces on demand."""
 

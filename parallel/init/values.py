@@ -13,10 +13,11 @@ each rank holds (parallel.init.plan.materialize_and_init), each from one
   The model must fit in one host's memory, once.
 - `model.weights=PATH` (pretrained): `FromFiles` over the user's files, each rank
   reading only its pieces; no rank holds the whole model. Buffers that are not
-  saved (non-persistent ones, e.g. rotary `inv_freq`) come from building the
-  model with its parameters on the meta device (`ConstructedBuffers`: the
-  buffers alone are real, and small). With `model.strict=false`, tensors the
-  files lack take the model's own values (above); for `model=hf` those are what
+  saved (non-persistent ones, e.g. rotary `inv_freq`) are what the model's
+  constructor computes: rank 0 builds the model with its parameters on the meta
+  device (the buffers alone are real, and small) and writes those buffers for
+  every rank as above. With `model.strict=false`, tensors the files lack take
+  the model's own values (above); for `model=hf` those are what
   `torch.manual_seed(trainer.seed); cls.from_pretrained(path)` gives them: rank 0
   builds the model that way (parallel.models.build.build_model with the seed).
 - `model.init=name` (Note [initialization by name]): every tensor from a
@@ -26,8 +27,6 @@ each rank holds (parallel.init.plan.materialize_and_init), each from one
 The planner passes `Blank` (fake tensors have no values to fill).
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -166,41 +165,3 @@ def _piece(tensor: torch.Tensor) -> tuple[slice, ...] | None:
         return None
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
-
-
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Build a model with its parameters on the meta device and its buffers real.
-
-    Written here because PyTorch has no such mode (`torch.device("meta")` puts buffers there too): every
-    parameter a module registers goes to meta as it is registered; what `__init__` computes for buffers stays.
-    """
-    register = nn.Module.register_parameter
-
-    def on_meta(self, name, param):
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-class ConstructedBuffers(Values):
-    """Buffers as the model's constructor computes them (seeded by `seed`), its parameters never allocated;
-    for what weight files do not hold (non-persistent buffers)."""
-
-    def __init__(self, build, seed: int):
-        self.build, self.seed, self._buffers = build, seed, None
-
-    def full(self, fqn, entry, shape, dtype):
-        if self._buffers is None:
-            with torch.random.fork_rng(devices=[]), parameters_on_meta():
-                torch.manual_seed(self.seed)
-                self._buffers = dict(self.build().named_buffers(remove_duplicate=False))
-        if fqn not in self._buffers:
-            raise KeyError(f"'{fqn}' is neither in the weight files nor a buffer the model's constructor computes")
-        return self._buffers[fqn]

@@ -1,96 +1,44 @@
-"""Model building: what to build, resolved once (`ModelRecipe`), the model on the meta device, and the checks
-that it can be built, initialized and fed the configured data (run once, before workers start).
+"""Model building: the model as the user's script builds it (`build_model`), the meta model every strategy
+starts from (`meta_model`), and the checks that it can be built, initialized and fed the configured data (run
+once, before workers start).
 
 # Note [building a model]
-A run builds its model in one pass, each step in one place:
-1. what to build, `model_recipe`: the factory (a built-in or the user's `_target_`) and its arguments, or
-   model=hf's class and config (parallel.models.hf); the adapters' PEFT config (parallel.models.lora); the
-   freeze patterns; where pretrained values are read, and how the rest are made (model.init, model.strict).
-2. the model, `build_model`: the factory's, or model=hf's class from its config (from its directory's weights
-   for rank 0's own build), made ready to train (Note [Hugging Face models for training]), and
+A run builds its model in one pass, each step in one place, in this order:
+1. what to build, `model_recipe` (parallel.models.recipe, the whole step there): the factory (a built-in or
+   the user's `_target_`) and its arguments, or model=hf's class and config read from its directory; the
+   adapters' PEFT config; the freeze patterns; where pretrained values are read, and how the rest are made
+   (model.init, model.strict).
+2. the model, `build_model`: the factory's, or model=hf's class from its config (parallel.models.hf), made
+   ready to train (Note [Hugging Face models for training]), then
 3. its adapters, `add_adapters` at the end of `build_model` (Note [LoRA]), as the user's script puts them on;
-4. `freeze`, on the meta model, before any strategy sees it (`build_meta_model` does 2 to 4);
+4. `freeze`, on the meta model, before any strategy sees it (`meta_model` does 2 to 4 on the meta device);
 5. its initial values, `initial_values` (parallel.models.weights; Note [initial values]).
-The trainer resolves the recipe once and hands it to `build_meta_model` and to `initial_values`, which builds
-the model again, through `build_model`, where it needs real tensors: rank 0's own CPU build under
-`torch.manual_seed(trainer.seed)`, or the buffers a constructor computes.
+The trainer resolves the recipe once and hands it to `meta_model` and to `initial_values`. The meta model holds
+no values: where the run needs the model's own, global rank 0 alone builds it once more, through
+`build_model` with the seed (`torch.manual_seed(trainer.seed)`, then the user's script: with pretrained weights
+that cover the model, with its parameters on the meta device, for the buffers its constructor computes), and
+every rank reads its pieces of what rank 0 wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from parallel.config import INITS, Config, ConfigError, ModelConfig, fail, import_target
+from parallel.config import INITS, Config, ConfigError, ModelConfig, fail
 from parallel.data import DataSpec, example_input, vocab_is_bound
 from parallel.data.spec import spec_of
 from parallel.init import check_initializable
 from parallel.init.by_name import fill_own_kinds
 from parallel.loss import logits_of
-from parallel.models import MODELS
-from parallel.models.hf import HFModel, for_training, hf_build, hf_source, hf_weights
-from parallel.models.lora import Adapters, adapters_of, add_adapters
+from parallel.models.hf import for_training, hf_build
+from parallel.models.lora import add_adapters
+from parallel.models.recipe import ModelRecipe, model_recipe
 from parallel.tensors import as_call, main_field, meta_forward
-
-
-@dataclass(frozen=True)
-class ModelRecipe:
-    """What a run builds and where its initial values come from, resolved once from the model group
-    (Note [building a model])."""
-
-    factory: Callable[..., Any] | None  # a built-in or the user's `_target_`; None for model=hf
-    args: dict  # the factory's keyword arguments (model=hf: its directory, Auto class and overrides)
-    hf: HFModel | None  # model=hf: the class and config it is built from, and its directory's weights
-    adapters: Adapters | None  # model.lora / model.peft
-    freeze: tuple[str, ...]  # model.freeze
-    weights: str | None  # the pretrained values every rank reads its pieces of (weights_path)
-    init: str  # model.init: how what the weights do not hold is made
-    strict: bool  # model.strict
-    target: str | None  # model._target_ and model.name, which errors about the build name
-    name: str
-
-
-def model_recipe(m: ModelConfig) -> ModelRecipe:
-    """What to build (Note [building a model]). Raises ConfigError: an unknown model, a `_target_` that is not
-    callable, a model=hf directory without a readable config, bad adapters."""
-    factory = resolve_factory(m)
-    hf = hf_source(m) if factory is None else None  # model=hf: its class and config, read once
-    args, pretrained = (dict(m.args), None) if hf is None else (hf.args, hf.weights)
-    weights = m.weights if m.weights is not None else pretrained  # weights_path, its directory read once
-    return ModelRecipe(factory, args, hf, adapters_of(m), tuple(m.freeze), weights, m.init, m.strict, m._target_,
-                       m.name)
-
-
-def resolve_factory(m: ModelConfig):
-    """The callable that builds the model: a built-in, or the user's `_target_`; None for model=hf (built
-    from its class and config: parallel.models.hf.hf_source)."""
-    if m._target_:
-        factory = import_target("model._target_", m._target_)
-        if not callable(factory):
-            fail("model._target_", m._target_, "is not callable")
-        return factory
-    if m.name == "hf":
-        return None
-    if m.name not in MODELS:
-        fail("model.name", m.name, "unknown model; use a built-in, model=hf or set model._target_",
-             sorted([*MODELS, "hf"]))
-    return MODELS[m.name]
-
-
-def pretrained_dir(m: ModelConfig) -> str | None:
-    """The model=hf directory whose own weights are loaded (model.pretrained, and no model.weights instead;
-    a `_target_` replaces model=hf's build)."""
-    return hf_weights(m) if m.name == "hf" and not m._target_ else None
-
-
-def weights_path(m: ModelConfig) -> str | None:
-    """The pretrained weights to load: model.weights, or a model=hf directory's own."""
-    return m.weights if m.weights is not None else pretrained_dir(m)
 
 
 def build_model(recipe: ModelRecipe, seed: int | None = None) -> nn.Module:
@@ -117,11 +65,39 @@ def build_model(recipe: ModelRecipe, seed: int | None = None) -> nn.Module:
     return add_adapters(model, recipe.adapters)  # after the user's build, as their script adds them
 
 
-def build_meta_model(m: ModelConfig | ModelRecipe) -> nn.Module:
-    """The model on the meta device (no memory), its adapters on and `model.freeze` applied, checked to be an
-    nn.Module that can be initialized. `m`: the model group, or the recipe already resolved from it (the
-    trainer's, which the initial values read too)."""
-    recipe = m if isinstance(m, ModelRecipe) else model_recipe(m)
+def build_buffers(recipe: ModelRecipe, seed: int) -> nn.Module:
+    """The model `build_model` builds, with its parameters on the meta device and its buffers as its constructor
+    computes them under `torch.manual_seed(seed)` (the caller's generator left as it was): the values of the
+    buffers pretrained weight files do not hold (Note [initial values]), without allocating a parameter."""
+    with torch.random.fork_rng(devices=[]), _parameters_on_meta():
+        torch.manual_seed(seed)
+        return build_model(recipe)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build a model with its parameters on the meta device and its buffers real.
+
+    Written here because PyTorch has no such mode (`torch.device("meta")` puts buffers there too): every
+    parameter a module registers goes to meta as it is registered; what `__init__` computes for buffers stays.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def meta_model(recipe: ModelRecipe) -> nn.Module:
+    """The model `recipe` describes on the meta device (no memory), its adapters on and `model.freeze` applied,
+    checked to be an nn.Module (steps 2 to 4 of Note [building a model])."""
     try:
         with torch.device("meta"):
             model = build_model(recipe)
@@ -134,12 +110,13 @@ def build_meta_model(m: ModelConfig | ModelRecipe) -> nn.Module:
         fail("model._target_" if recipe.target else "model.name", recipe.target or recipe.name,
              f"must return an nn.Module, returned {type(model).__name__}")
     freeze(model, recipe.freeze)
-    if recipe.init == "name":
-        try:
-            check_initializable(model)
-        except ValueError as e:
-            fail("model.init", recipe.init, str(e))
     return model
+
+
+def build_meta_model(m: ModelConfig) -> nn.Module:
+    """The meta model of the model group `m`: its recipe resolved, then `meta_model` (for what needs the model's
+    structure alone: plans, checks, the planner)."""
+    return meta_model(model_recipe(m))
 
 
 def freeze(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> None:
@@ -162,8 +139,8 @@ def freeze(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> None:
 
 
 def check_model(m: ModelConfig) -> nn.Module:
-    """The factory exists, accepts `model.args`, and builds an initializable module; returns it (on meta), which
-    the checks after it read (validation builds it once)."""
+    """The factory exists, accepts `model.args`, and builds a module that model.init can initialize; returns it
+    (on meta), which the checks after it read (validation builds it once)."""
     if m.frozen_checkpoint is not None and not os.path.isfile(m.frozen_checkpoint):
         fail("model.frozen_checkpoint", m.frozen_checkpoint, "no such file")
     if m.init not in INITS:
@@ -183,7 +160,13 @@ def check_model(m: ModelConfig) -> nn.Module:
             fail("model.args", dict(m.args),
                  f"do not fit {getattr(recipe.factory, '__qualname__', recipe.factory)}{sig}: {e}{hint}",
                  list(sig.parameters))
-    return build_meta_model(recipe)
+    model = meta_model(recipe)
+    if recipe.init == "name":
+        try:
+            check_initializable(model)
+        except ValueError as e:
+            fail("model.init", recipe.init, str(e))
+    return model
 
 
 def check_model_takes_data(cfg: Config, model: nn.Module | None = None, data: DataSpec | None = None):

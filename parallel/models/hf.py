@@ -1,60 +1,33 @@
-"""`model=hf`: a Hugging Face transformers model from a directory on disk, without a wrapper.
-
-The architecture comes from the directory's `config.json` (`architectures`, `model.auto_class`, or the class
-`data.task` names), with `model.config` overrides; the model is built as `from_config` builds it (its own
-`_init_weights`), and its weights are loaded from the directory when it has them and `model.pretrained` is
-true (parallel.init.values; what they lack as `from_pretrained` initialises it, `hf_build`). Nothing is
-downloaded: the directory is read with `local_files_only`, and Hugging Face's hub is kept offline.
+"""`model=hf` and any Hugging Face transformers model, without a wrapper: built from the class and config the
+recipe read from its directory (parallel.models.recipe.hf_source), as `from_config` builds it (its own
+`_init_weights`) or, for rank 0's own build with the directory's weights, as `from_pretrained` loads it
+(`hf_build`); made ready to train (`for_training`); its own tensor-parallel plan (`hf_tp_plan`), and where a
+mixture-of-experts model's fused experts are (`grouped_experts`). transformers is imported only when a run
+asks for it, with Hugging Face's hub kept offline.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import logging
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from parallel.config import ConfigError, ModelConfig, fail
-from parallel.init.files import has_weights
-from parallel.models.hf_moe import grouped_experts
+from parallel.config import ConfigError, fail
 from parallel.torch_patches import register_grouped_mm_fake
 
-log = logging.getLogger("parallel")
 
-AUTO_CLASSES = ("AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
-                "AutoModelForTokenClassification", "AutoModelForImageClassification", "AutoModelForQuestionAnswering",
-                "AutoModelForSeq2SeqLM")
-# The class a task trains, for a config.json that names no architecture (`LlamaConfig(...).save_pretrained`).
-TASK_CLASSES = {"lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
-
-
-def _transformers():
+def import_transformers():
+    """transformers, or a ConfigError saying how to install it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a directory on disk only: never reach the hub
     try:
         import transformers  # an optional extra: imported only when model=hf asks for it
     except ImportError:
         raise ConfigError("model=hf needs Hugging Face transformers: pip install -e \".[hf]\"") from None
     return transformers
-
-
-def hf_config(path: str, overrides: dict | None = None):
-    """The directory's config with `overrides` set (each must be a key the config has)."""
-    transformers = _transformers()
-    if not (Path(path) / "config.json").is_file():
-        fail("model.path", path, "has no config.json (a Hugging Face model directory, as save_pretrained writes)")
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    for key, value in (overrides or {}).items():
-        if not hasattr(config, key):
-            fail(f"model.config.{key}", value, f"is not a setting of {type(config).__name__}")
-        setattr(config, key, value)
-    cache_off(config)
-    return config
 
 
 # Note [Hugging Face models for training]
@@ -85,6 +58,15 @@ def is_transformers_model(model) -> bool:
     return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
+def grouped_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformers experts modules of `model` (Mixtral's, Qwen3-MoE's, GPT-OSS's, ...) that dispatch on
+    `config._experts_implementation` (made by transformers' `use_experts_implementation`: `is_concatenated`,
+    `has_gate` set on them), by name. Their grouped matrix products on fake tensors: Note [grouped matmul on
+    fake tensors] in parallel/torch_patches.py."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "is_concatenated") and hasattr(m, "has_gate") and hasattr(m, "num_experts")]
+
+
 def for_training(model):
     """`model` ready to train, in place (Note [Hugging Face models for training]); any other object as it is."""
     if is_transformers_model(model):
@@ -100,7 +82,7 @@ def for_training(model):
 def _quiet_loading():
     """transformers' load report and progress bars off: the framework lists what the weights lack or hold
     beyond the model once, before workers start (parallel.models.weights.check_weights)."""
-    tf_logging = _transformers().utils.logging
+    tf_logging = import_transformers().utils.logging
     level, bars = tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()
     tf_logging.set_verbosity_error()
     tf_logging.disable_progress_bar()
@@ -112,25 +94,6 @@ def _quiet_loading():
             tf_logging.enable_progress_bar()
 
 
-def hf_class(config, auto_class: str | None):
-    """The class that builds the model: an Auto class by name, or the config's first architecture."""
-    transformers = _transformers()
-    if auto_class is not None:
-        if auto_class not in AUTO_CLASSES and not (auto_class.startswith("AutoModel")
-                                                   and hasattr(transformers, auto_class)):
-            fail("model.auto_class", auto_class, "is not a transformers Auto class", list(AUTO_CLASSES))
-        return getattr(transformers, auto_class)
-    architectures = getattr(config, "architectures", None) or []
-    if not architectures:
-        fail("model.auto_class", None, "config.json names no architectures and data.task names no class "
-             f"({', '.join(f'{t}: {c}' for t, c in TASK_CLASSES.items())}): set the Auto class to build it with",
-             list(AUTO_CLASSES))
-    if not hasattr(transformers, architectures[0]):
-        fail("model.path", None, f"config.json's architecture {architectures[0]} is not in transformers "
-             f"{transformers.__version__}")
-    return getattr(transformers, architectures[0])
-
-
 @dataclass(frozen=True)
 class HFModel:
     """What model=hf builds, resolved once from its directory (`hf_source`): the class, and its config with
@@ -140,19 +103,6 @@ class HFModel:
     config: Any
     args: dict  # hf_args: the directory, the Auto class and the overrides
     weights: str | None  # hf_weights: the directory, when from_pretrained loads its weights
-
-
-def hf_source(m: ModelConfig) -> HFModel:
-    """The class and config of model=hf's directory, and whether its weights are loaded."""
-    args = hf_args(m)
-    try:
-        conf = hf_config(args["path"], args["config"])
-        cls = hf_class(conf, args["auto_class"])
-    except ConfigError:
-        raise  # its own checks name their keys
-    except (TypeError, ValueError) as e:  # transformers refusing the directory's config
-        fail("model=hf", args, f"building the model failed: {type(e).__name__}: {e}")
-    return HFModel(cls, conf, args, hf_weights(m))
 
 
 def hf_build(h: HFModel, pretrained: bool = False) -> nn.Module:
@@ -170,35 +120,6 @@ def hf_build(h: HFModel, pretrained: bool = False) -> nn.Module:
         except ValueError as e:
             fail("model.auto_class", auto_class, f"cannot build {type(config).__name__}: {str(e).splitlines()[0]}")
     return h.cls._from_config(config)
-
-
-def derive_auto_class(m: ModelConfig, task: str) -> None:
-    """model=hf of a directory whose config.json names no architecture: `model.auto_class` from the task
-    (TASK_CLASSES), in place, said in the log; nothing when it is set, or the task names no class (hf_class
-    then says what to set)."""
-    if m.name != "hf" or m._target_ or m.auto_class is not None or not m.path or task not in TASK_CLASSES:
-        return
-    try:
-        architectures = json.loads((Path(m.path) / "config.json").read_text()).get("architectures")
-    except (OSError, ValueError, AttributeError):
-        return  # no readable config.json: hf_config names the problem
-    if not architectures:
-        m.auto_class = TASK_CLASSES[task]
-        log.info("model.path=%s: config.json names no architectures; data.task=%s builds it with %s (set "
-                 "model.auto_class for another class)", m.path, task, m.auto_class)
-
-
-def hf_args(m: ModelConfig) -> dict:
-    """`hf_source`'s arguments from the model group."""
-    if m.path is None or m.path == "???":
-        fail("model.path", m.path, "model=hf builds the model of a directory: set model.path=DIR")
-    return {"path": m.path, "auto_class": m.auto_class, "config": dict(m.config)}
-
-
-def hf_weights(m: ModelConfig) -> str | None:
-    """The directory's weights when they are to be loaded: model.pretrained, the directory has them, and no
-    model.weights replaces them."""
-    return m.path if m.pretrained and m.weights is None and m.path and has_weights(m.path) else None
 
 
 # Note [Hugging Face tensor-parallel plans]

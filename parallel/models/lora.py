@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.config import ConfigError, ModelConfig, fail, import_target
+from parallel.config import ConfigError, ModelConfig, fail
 
 ADAPTER = "default"  # PEFT's name of the one adapter a model gets
 SHOWN = 20  # Linear names listed when targets match nothing
@@ -41,7 +41,8 @@ ADAPTER_STYLES = {"colwise": ("lora_B", "colwise"), "colwise_gather": ("lora_B",
                   "rowwise": ("lora_A", "rowwise"), "rowwise_split": ("lora_A", "rowwise_split")}
 
 
-def _peft():
+def import_peft():
+    """PEFT, or a ConfigError saying how to install it."""
     try:
         import peft  # an optional extra: imported only when a run asks for adapters
     except ImportError:
@@ -54,54 +55,14 @@ def wanted(m: ModelConfig) -> bool:
     return m.lora.r > 0 or bool(m.peft)
 
 
-def peft_config(m: ModelConfig):
-    """The PEFT config the run asks for (None without adapters).
-
-    Raises:
-        ConfigError: both model.lora and model.peft set; a bad value of either.
-    """
-    if m.lora.r < 0:
-        fail("model.lora.r", m.lora.r, "must be >= 0 (0: no adapters)")
-    if m.lora.r > 0 and m.peft:
-        fail("model.peft", dict(m.peft), "model.lora.* and model.peft both configure adapters: keep one")
-    if m.peft:
-        args: dict[str, Any] = dict(m.peft)
-        target = args.pop("_target_", None)
-        if target is None:
-            fail("model.peft", dict(m.peft), "needs _target_, a PEFT config class (e.g. peft.LoraConfig)")
-        _peft()
-        cls = import_target("model.peft._target_", target)
-        try:
-            return cls(**{k: list(v) if isinstance(v, (list, tuple)) else v for k, v in args.items()})
-        except (TypeError, ValueError) as e:
-            fail("model.peft", dict(m.peft), f"{target} refuses it: {type(e).__name__}: {e}")
-    if m.lora.r == 0:
-        return None
-    if not 0 <= m.lora.dropout < 1:
-        fail("model.lora.dropout", m.lora.dropout, "must be in [0, 1)")
-    peft = _peft()
-    return peft.LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
-                           target_modules=list(m.lora.targets) or None,
-                           modules_to_save=list(m.lora.modules_to_save) or None)
-
-
 @dataclass(frozen=True)
 class Adapters:
-    """The adapters a run puts on its model, resolved once (`adapters_of`): PEFT's config, and the key and value
-    an error about them names."""
+    """The adapters a run puts on its model, resolved once (parallel.models.recipe.adapters_of): PEFT's config,
+    and the key and value an error about them names."""
 
     config: Any
     key: str
     value: Any
-
-
-def adapters_of(m: ModelConfig) -> Adapters | None:
-    """The run's adapters (None without them); raises peft_config's ConfigError."""
-    config = peft_config(m)
-    if config is None:
-        return None
-    return Adapters(config, "model.peft" if m.peft else "model.lora.targets",
-                    dict(m.peft) if m.peft else list(m.lora.targets))
 
 
 def add_adapters(model: nn.Module, adapters: Adapters | None) -> nn.Module:
@@ -112,7 +73,7 @@ def add_adapters(model: nn.Module, adapters: Adapters | None) -> nn.Module:
     linears = [n for n, mod in model.named_modules() if n and _linear(mod)]
     try:
         # PEFT completes the config it is given (default targets, the base model's name): each model its own copy.
-        wrapped = _peft().get_peft_model(model, copy.deepcopy(adapters.config))
+        wrapped = import_peft().get_peft_model(model, copy.deepcopy(adapters.config))
     except (ValueError, TypeError, KeyError, NotImplementedError) as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "not found in the base model" in text or "specify `target_modules`" in text \
@@ -217,7 +178,7 @@ def adapter_names(base: nn.Module, adapters: Adapters) -> tuple[Any, dict[str, s
     """(the PEFT config as PEFT leaves it on `base`, the one to save; {the name PEFT's own save gives an adapter
     tensor: its name here}), from `base`, the run's model without adapters (on the meta device): the names
     `PeftModel.from_pretrained` reads."""
-    peft = _peft()
+    peft = import_peft()
     config = copy.deepcopy(adapters.config)  # PEFT completes the config it is given: this model's own
     wrapped = peft.get_peft_model(base, config)
     ours, held = {}, {}

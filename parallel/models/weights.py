@@ -12,11 +12,12 @@ from torch import nn
 from parallel.config import ModelConfig, fail
 from parallel.init import InitPlan, init_plan
 from parallel.init.files import WeightFileError, WeightFiles, save_weights
-from parallel.init.values import ByName, ConstructedBuffers, FromFiles, Values
+from parallel.init.values import ByName, FromFiles, Values
 from parallel.memory.host import available_host_memory
-from parallel.models.build import ModelRecipe, build_model, pretrained_dir, weights_path
+from parallel.models.build import build_buffers, build_model
 from parallel.models.hf_conversion import converted
 from parallel.models.lora import base_name
+from parallel.models.recipe import ModelRecipe, pretrained_dir, weights_path
 from parallel.units import human_bytes
 
 SHOWN = 8  # names listed per kind of problem; the rest are counted
@@ -32,11 +33,13 @@ def weight_files(path: str, model: nn.Module):
     return converted(WeightFiles(path), model, names - {None})
 
 
-def write_own_weights(recipe: ModelRecipe, seed: int, path: Path) -> None:
-    """Build the model as the user's code does (`build_model` with the seed, on the CPU) and write every tensor
-    once (a tied one under its first name, non-persistent buffers included) to the safetensors file `path`."""
-    model = build_model(recipe, seed)
-    tensors = {fqn: getattr(e.module, e.local_name) for fqn, e in init_plan(model).items() if fqn == e.canonical}
+def write_own_weights(recipe: ModelRecipe, seed: int, path: Path, whole: bool = True) -> None:
+    """Build the model as the user's code does (`build_model` with the seed, on the CPU; not `whole`: with its
+    parameters on the meta device, `build_buffers`) and write every real tensor once (a tied one under its first
+    name, non-persistent buffers included) to the safetensors file `path`."""
+    model = build_model(recipe, seed) if whole else build_buffers(recipe, seed)
+    tensors = {fqn: t for fqn, e in init_plan(model).items()
+               if fqn == e.canonical and not (t := getattr(e.module, e.local_name)).is_meta}
     save_weights(tensors, str(path))
 
 
@@ -64,12 +67,14 @@ def initial_values(recipe: ModelRecipe, seed: int, run_dir: Path, model: nn.Modu
         FromFiles(files, plan, getattr(model, "base_model_prefix", ""), plain=base_name)
     if recipe.init == "name":
         own: Values = ByName(seed, model)
-    elif pretrained is None or pretrained.own or (not recipe.strict and pretrained.problems(plan, {})[0]):
-        path = Path(run_dir) / "initial_weights.safetensors"  # removed once every rank has read it (`done`)
-        _on_rank0(lambda p: write_own_weights(recipe, seed, p), path)
-        own = FromFiles(WeightFiles(str(path)), plan)
     else:
-        own = ConstructedBuffers(lambda: build_model(recipe), seed)
+        # The whole model where the files leave tensors to its own values (or there are none); else the buffers
+        # its constructor computes, which no file holds (non-persistent ones).
+        whole = pretrained is None or bool(pretrained.own) or \
+            (not recipe.strict and bool(pretrained.problems(plan, {})[0]))
+        path = Path(run_dir) / "initial_weights.safetensors"  # removed once every rank has read it (`done`)
+        _on_rank0(lambda p: write_own_weights(recipe, seed, p, whole), path)
+        own = FromFiles(WeightFiles(str(path)), plan)
     if pretrained is None:
         return own
     pretrained.fallback = own  # what the files lack (non-persistent buffers; with model.strict=false, more)

@@ -7,9 +7,11 @@ is explicit and keyed by the names of the strategy table, whose rows say what
 each strategy spreads and takes (Note [strategy table] in
 parallel/strategy_specs.py). An unknown name fails listing the table's names.
 
-A builder is where the config is read: the pieces it applies take what they use (the mesh, a ZeRO level,
-dtypes, an example input: `data_parallel`, `state_sharding`, `tensor_plan`, `recompute_model`, ...), as
-torchtitan's parallelize_llama hands `apply_fsdp` its dtypes, so each piece reads and tests on its own.
+A builder is where the config is read: the pieces it applies and the engine it returns take what they use
+(the mesh, a ZeRO level, dtypes, an example input: `data_parallel`, `state_sharding`, `tensor_plan`,
+`recompute_model`, ...; LocalEngine its micro-steps and autocast, PipelineEngine its schedule, OffloadEngine
+its `OffloadSettings`), as torchtitan's parallelize_llama hands `apply_fsdp` its dtypes, so each piece reads
+and tests on its own.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.batchnorm import batchnorm_warning
-from parallel.config import BALANCES, SPECS, ZERO_LEVELS, Config, fail, strategy_spec
+from parallel.config import BALANCES, SPECS, ZERO_LEVELS, Config, bf16_run, fail, strategy_spec
 from parallel.data import example_input
 from parallel.dims import data_mesh
 from parallel.engine import Engine, LocalEngine
@@ -54,8 +56,8 @@ def _local(apply):
             compile_model(model)
         materialize_and_init(model, runtime.device, plan, runtime.values)
         loss = build_loss(cfg.loss, cfg.data.task)
-        return LocalEngine(model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence,
-                           state_sharding(mesh, cfg.strategy.zero))
+        return LocalEngine(model, loss, data_mesh(mesh).get_group(), runtime.device, cfg.trainer.grad_accum,
+                           bf16_run(cfg), sequence, state_sharding(mesh, cfg.strategy.zero))
 
     return build
 

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from parallel.config import fail
 from parallel.engine import LocalEngine
-from parallel.models.hf_moe import grouped_experts
+from parallel.models.hf import grouped_experts
 from parallel.optim import clip_grads
 from parallel.strategies.expert_hf import ScaleGrad as _ScaleGrad
 from parallel.strategies.expert_hf import check_hf_experts

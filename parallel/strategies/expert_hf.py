@@ -5,7 +5,7 @@ experts split over the ep ranks.
 transformers 5 holds a layer's E experts fused, as tensors whose first dimension is the expert
 (`mlp.experts.gate_up_proj` (E, ...), `down_proj`, GPT-OSS's biases), in one module called by its MoE block as
 `experts(tokens (n, H), top_k_index (n, k), top_k_weights (n, k))`, after the block's own router
-(parallel.models.hf_moe.grouped_experts finds them). Under `strategy.ep`, `shard_hf_experts` puts an
+(parallel.models.hf.grouped_experts finds them). Under `strategy.ep`, `shard_hf_experts` puts an
 `HFExpertShard` in that module's place: the same tensors under the same names (`mlp.experts.gate_up_proj`),
 each a DTensor split over mesh["ep"] on its expert dimension (Shard(0): ep rank r holds experts
 r x E/ep .. (r + 1) x E/ep - 1), so the initial values, pretrained pieces, the gathered final weights and
@@ -43,7 +43,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from parallel.config import fail
-from parallel.models.hf_moe import grouped_experts
+from parallel.models.hf import grouped_experts
 
 
 class ScaleGrad(torch.autograd.Function):

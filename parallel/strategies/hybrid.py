@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.batchnorm import sync_batchnorm
-from parallel.config import Config
+from parallel.config import Config, bf16_run
 from parallel.data import example_input
 from parallel.dims import batch_mesh, data_mesh, fsdp_mesh
 from parallel.engine import Engine
@@ -119,8 +119,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         compile_model(model)
     materialize_and_init(model, runtime.device, plan, runtime.values)
     loss = build_loss(cfg.loss, cfg.data.task)
-    return expert_engine(mesh, model, cfg, loss, data_mesh(mesh).get_group(), runtime.device, sequence,
-                         zero1([model], mesh, s.zero))
+    return expert_engine(mesh, model, loss, data_mesh(mesh).get_group(), runtime.device, cfg.trainer.grad_accum,
+                         bf16_run(cfg), sequence, zero1([model], mesh, s.zero))
 
 
 def zero1(modules: list[nn.Module], mesh: DeviceMesh, zero: int):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from parallel.config import ModelConfig
-from parallel.models.build import build_model, model_recipe
+from parallel.models.build import build_model
+from parallel.models.recipe import model_recipe
 from tests import cli
 
 # A whole block and one tensor of the root (so FSDP units hold frozen and trainable parameters together).

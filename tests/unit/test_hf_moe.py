@@ -8,8 +8,9 @@ import torch
 from parallel.config import ConfigError, ModelConfig
 from parallel.flops import Flops
 from parallel.init import init_plan, materialize_and_init
-from parallel.models.build import build_meta_model, model_recipe
+from parallel.models.build import build_meta_model, meta_model
 from parallel.models.hf_conversion import ConvertedFiles
+from parallel.models.recipe import model_recipe
 from parallel.models.weights import initial_values, weight_files
 from parallel.tensors import faking, meta_forward
 from parallel.torch_patches import register_grouped_mm_fake
@@ -30,7 +31,7 @@ def test_a_per_expert_checkpoint_lands_where_from_pretrained_puts_it(tmp_path, n
     m = ModelConfig(name="hf", path=str(tmp_path / "dir"))
     validate(hf_cfg(m.path, strict=True), 1)  # nothing missing nor unread once converted
     recipe = model_recipe(m)
-    model = build_meta_model(recipe)
+    model = meta_model(recipe)
     plan = init_plan(model)
     materialize_and_init(model, torch.device("cpu"), plan, initial_values(recipe, 0, tmp_path, model, plan))
     want = AutoModelForCausalLM.from_pretrained(m.path).state_dict()

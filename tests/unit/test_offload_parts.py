@@ -17,7 +17,7 @@ from parallel.init.values import Values
 from parallel.loss import build_loss
 from parallel.optim import clip_grads
 from parallel.runtime import Runtime
-from parallel.strategies.offload.engine import OffloadEngine
+from parallel.strategies.offload.engine import OffloadEngine, OffloadSettings
 from parallel.strategies.offload.layout import Layout
 from parallel.strategies.offload.pool import BufferPool
 from parallel.strategies.offload.stream import WeightStream
@@ -137,7 +137,7 @@ def engines():
     made = []
 
     def make(model, blocks, cfg):
-        e = OffloadEngine(model, cfg, Runtime(device=CPU, values=Known()), init_plan(model), blocks,
+        e = OffloadEngine(model, OffloadSettings.of(cfg), Runtime(device=CPU, values=Known()), init_plan(model), blocks,
                           cfg.strategy.path, build_loss(cfg.loss, "regression"))
         e.make_optimizer({id(p): n for n, p in model.named_parameters()})
         made.append(e)

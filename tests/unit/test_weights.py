@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 from parallel.config import Config, ConfigError, ModelConfig
 from parallel.init import init_plan, materialize_and_init
 from parallel.init.files import WeightFiles
-from parallel.models.build import build_meta_model, model_recipe
+from parallel.models.build import build_meta_model, meta_model
+from parallel.models.recipe import model_recipe
 from parallel.models.weights import initial_values
 from parallel.validate import validate
 from tests import hf_models
@@ -21,7 +22,7 @@ from tests import hf_models
 def materialized(m: ModelConfig, tmp_path, seed: int = 0) -> dict:
     """The values one process starts from under `m` (every tensor, non-persistent buffers included)."""
     recipe = model_recipe(m)
-    model = build_meta_model(recipe)
+    model = meta_model(recipe)
     plan = init_plan(model)
     values = initial_values(recipe, seed, tmp_path, model, plan)
     materialize_and_init(model, torch.device("cpu"), plan, values)
@@ -52,7 +53,7 @@ def test_module_init_is_the_users_own(factory, tmp_path):
 
 def test_module_init_keeps_ties_and_the_users_global_rng_untouched(tmp_path):
     recipe = model_recipe(ModelConfig(name="custom", _target_="tests.hf_models.bare"))
-    model = build_meta_model(recipe)
+    model = meta_model(recipe)
     plan = init_plan(model)
     materialize_and_init(model, torch.device("cpu"), plan, initial_values(recipe, 0, tmp_path, model, plan))
     assert model.head.weight is model.embed.weight

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
-from parallel.config import Config, OptimConfig
+from parallel.config import OptimConfig
 from parallel.optim import optimizer_class, optimizer_kwargs, param_groups
 from parallel.profiling import phased
 from parallel.strategies.offload.layout import Block, Layout, Slot
@@ -113,7 +113,9 @@ class BlockAdamW:
     """The optimizer's state and step (AdamW or SGD) for every offloaded and resident parameter.
 
     Args:
-        cfg: the run config (optim, trainer.clip_grad_norm).
+        optim: the optimizer group (its class, settings and parameter groups).
+        deferred: whether blocks step after backward, the global norm first, rather than during it
+            (OffloadSettings.deferred).
         layout: the blocks and the resident parameters.
         stream: the block weights (read here when the step needs them).
         tier: the optimizer tier (None: state and waiting gradients stay on the device).
@@ -123,17 +125,13 @@ class BlockAdamW:
         device: the compute device.
     """
 
-    def __init__(self, cfg: Config, layout: Layout, stream: WeightStream, tier, pool: BufferPool,
-                 stepper: Executor, finisher: Executor, device: torch.device):
-        self.optim_cfg = cfg.optim
-        # Whether blocks step after backward (the global norm first) rather than during it: with clipping, and
-        # under trainer.nonfinite=skip, so that a dropped step leaves every block as it was (Note [non-finite
-        # steps] in parallel/nonfinite.py).
-        self.deferred = cfg.trainer.clip_grad_norm > 0 or cfg.trainer.nonfinite == "skip"
+    def __init__(self, optim: OptimConfig, deferred: bool, layout: Layout, stream: WeightStream, tier,
+                 pool: BufferPool, stepper: Executor, finisher: Executor, device: torch.device):
+        self.optim_cfg, self.deferred = optim, deferred
         self.halted = False  # during backward: a block's gradients were not finite, no later block steps
-        self.cls = optimizer_class(cfg.optim)
-        self.kwargs = optimizer_kwargs(cfg.optim, self.cls)
-        self.keys = state_keys(cfg.optim)
+        self.cls = optimizer_class(optim)
+        self.kwargs = optimizer_kwargs(optim, self.cls)
+        self.keys = state_keys(optim)
         self.params, self.blocks, self.resident = layout.params, layout.blocks, layout.resident
         self.stream, self.tier, self.pool, self.stepper, self.device = stream, tier, pool, stepper, device
         self.last_step = None  # the block step in flight (without clipping)

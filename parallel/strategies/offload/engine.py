@@ -61,6 +61,7 @@ listed above it (and tiers.py, activations.py below them all):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,7 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.aux_weight import AuxWeights
 from parallel.blocks import candidates
-from parallel.config import Config, RunError
+from parallel.config import Config, OptimConfig, RunError, bf16_run
 from parallel.data import example_input
 from parallel.engine import Engine, LooksAhead, OwnOptimizer, autocast, evaluating
 from parallel.init import InitPlan
@@ -114,12 +115,36 @@ class OffloadIO:
     activation_store = ActivationStore
 
 
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What the offload engine reads of the run's config, taken from it once by `build_offload` (`of`)."""
+
+    params: str  # strategy.params: where the blocks' weights live between uses (device, cpu, disk)
+    optimizer: str  # strategy.optimizer: where their optimizer state and waiting gradients live
+    activations: str  # strategy.activations: where the saved activations live, or checkpoint (recomputed)
+    path: str | None  # strategy.path: the disk tier's home (None: the run directory's offload/)
+    prefetch: int  # strategy.prefetch: the blocks read ahead of the one running
+    lookahead: bool  # strategy.lookahead: a frozen leading part runs one batch ahead (Note [frozen lookahead])
+    optim: OptimConfig  # the optimizer the engine steps block by block
+    # Whether blocks step after backward (the global norm first) rather than during it: with clipping, and
+    # under trainer.nonfinite=skip, so that a dropped step leaves every block as it was (Note [non-finite
+    # steps] in parallel/nonfinite.py).
+    deferred: bool
+    bf16: bool  # bf16 autocast (parallel.engine.autocast)
+
+    @classmethod
+    def of(cls, cfg: Config) -> "OffloadSettings":
+        s, t = cfg.strategy, cfg.trainer
+        return cls(s.params, s.optimizer, s.activations, s.path, s.prefetch, s.lookahead, cfg.optim,
+                   t.clip_grad_norm > 0 or t.nonfinite == "skip", bf16_run(cfg))
+
+
 class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
     """The whole model on one device, its blocks streamed (Note [offload engine]).
 
     Args:
         model: the model on the meta device (its parameters are replaced by the engine's).
-        cfg: the run config.
+        settings: what it reads of the run's config (`OffloadSettings.of`).
         runtime: the device, the executors and the offload I/O (Note [runtime]).
         plan: the initialization plan (Note [initialization by name]).
         blocks: the blocks' module names, in forward order.
@@ -127,10 +152,10 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         loss: the run's loss (Note [global loss] in parallel/loss.py).
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, runtime: Runtime, plan: InitPlan, blocks: list[str],
-                 run_dir: Path, loss: Loss):
-        s, device = cfg.strategy, runtime.device
-        self.cfg, self.device, self.loss, self.model = cfg, device, loss, model
+    def __init__(self, model: nn.Module, settings: OffloadSettings, runtime: Runtime, plan: InitPlan,
+                 blocks: list[str], run_dir: Path, loss: Loss):
+        s, device = settings, runtime.device
+        self.settings, self.device, self.loss, self.model = settings, device, loss, model
         self.aux = AuxWeights([model])  # Note [auxiliary weight] in parallel/aux_weight.py
         _return_freed_memory()
         self.counters = {kind: Counters() for kind in ("params", "optimizer", "activations")}
@@ -154,9 +179,9 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         self.n_ahead = n_frozen if s.lookahead and splits_forward(model) else 0
         self._make_pools(s.prefetch)
         self.stream = WeightStream(self.tiers["params"], device, self.waits)
-        self.adamw = BlockAdamW(cfg, self.layout, self.stream, self.tiers["optimizer"], self.pool,
+        self.adamw = BlockAdamW(s.optim, s.deferred, self.layout, self.stream, self.tiers["optimizer"], self.pool,
                                 runtime.executor(1, "offload-step"), runtime.executor(1, "offload-step-done"), device)
-        self.lookahead = FrozenLookahead(model, cfg, device, runtime.executor(1, THREAD))
+        self.lookahead = FrozenLookahead(model, s.bf16, device, runtime.executor(1, THREAD))
         self.hooks = BlockHooks(self.layout, self.stream, self.adamw, self.acts, s.prefetch, n_frozen,
                                 recompute=self.tier_names["activations"] == "checkpoint")
         self.saved = SavedTensors(self.stream, self.acts, device)
@@ -177,7 +202,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         if self.tier_names["params"] == "disk":
             need += total
         if self.tier_names["optimizer"] == "disk":
-            need += (len(state_keys(self.cfg.optim)) + 1) * total  # the state (AdamW: two moments), gradients
+            need += (len(state_keys(self.settings.optim)) + 1) * total  # the state (AdamW: two moments), gradients
         return need
 
     def _make_tiers(self, io: OffloadIO) -> None:
@@ -219,7 +244,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         self.loss.start_step(y, None, 1)  # one process: the whole global batch, no accumulation
         self.aux.set(self.loss.aux_weight)
         with torch.autograd.graph.saved_tensors_hooks(self.saved.pack, self.saved.unpack):
-            with autocast(self.cfg, self.device):
+            with autocast(self.settings.bf16, self.device):
                 out = call_model(self.model, x) if features is None else self.model.trainable_forward(features)
                 loss = self.loss(out, y)
             loss.backward()
@@ -233,7 +258,7 @@ class OffloadEngine(Engine, OwnOptimizer, LooksAhead):
         self.adamw.wait()
         self.lookahead.drain()
         self.hooks.phase = "forward"  # prefetch forward, release after each block
-        with evaluating([self.model]), autocast(self.cfg, self.device):
+        with evaluating([self.model]), autocast(self.settings.bf16, self.device):
             return self.loss.score(call_model(self.model, x), y)
 
     @property
@@ -311,7 +336,8 @@ def build_offload(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runt
     if runtime.run_dir is None and cfg.strategy.path is None:
         raise ValueError("strategy=offload keeps its disk tier in the run directory (Runtime.run_dir) or in "
                          "strategy.path; this build has neither")
-    engine = OffloadEngine(model, cfg, runtime, plan, names, runtime.run_dir, build_loss(cfg.loss, cfg.data.task))
+    engine = OffloadEngine(model, OffloadSettings.of(cfg), runtime, plan, names, runtime.run_dir,
+                           build_loss(cfg.loss, cfg.data.task))
     t = engine.tier_names
     if not engine.blocks:
         log.warning("offload: no blocks found (the model's children called by its forward, or a ModuleList's "

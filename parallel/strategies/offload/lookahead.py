@@ -21,7 +21,6 @@ from concurrent.futures import Executor
 import torch
 from torch import nn
 
-from parallel.config import Config
 from parallel.engine import autocast
 from parallel.profiling import phased
 from parallel.strategies.offload.layout import Block
@@ -49,13 +48,13 @@ class FrozenLookahead:
 
     Args:
         model: the model (its `frozen_forward` is run).
-        cfg: the run config (autocast).
+        bf16: whether it runs under bf16 autocast (parallel.engine.autocast).
         device: the compute device.
         executor: the thread the frozen part runs on (named `THREAD`).
     """
 
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device, executor: Executor):
-        self.model, self.cfg, self.device, self.executor = model, cfg, device, executor
+    def __init__(self, model: nn.Module, bf16: bool, device: torch.device, executor: Executor):
+        self.model, self.bf16, self.device, self.executor = model, bf16, device, executor
         self.next_input: torch.Tensor | None = None  # handed over by the trainer for the next step
         self.pending: tuple[torch.Tensor, object] | None = None  # (input, its features' future)
         self.wait_s, self.ahead_steps = 0.0, 0
@@ -66,7 +65,7 @@ class FrozenLookahead:
 
     @phased("offload frozen forward ahead")  # in a profile (Note [profiles])
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), autocast(self.cfg, self.device):
+        with torch.no_grad(), autocast(self.bf16, self.device):
             return self.model.frozen_forward(x)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:

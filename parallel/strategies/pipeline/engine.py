@@ -70,13 +70,18 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Run
         groups.setdefault(entry.canonical, []).append(name)
     tied_names = [names for names in groups.values() if len(names) > 1]
     loss = build_loss(cfg.loss, cfg.data.task)
-    return PipelineEngine(cfg, mesh, split, stages, modules, tied, loss, tied_names, compute_time, sequence)
+    return PipelineEngine(s.schedule, microbatches(cfg), s.stages_per_rank, mesh, split, stages, modules, tied, loss,
+                          tied_names, compute_time, sequence)
 
 
 class PipelineEngine(Engine):
     """One training step through a pipeline schedule, and the pipeline's own metrics.
 
     Args:
+        schedule: the schedule's name (strategy.schedule).
+        microbatches: the microbatches of a step (strategy.microbatches, resolved).
+        stages_per_rank: the stages each pp rank holds (strategy.stages_per_rank).
+        mesh: the run's mesh (pp: the stages' ranks; the data-parallel ranks share the loss).
         stages: this rank's stages, each timing its compute into `compute_time`.
         modules: their modules (what the optimizer sees).
         tied: this rank's copies of weights tied across stages.
@@ -86,18 +91,18 @@ class PipelineEngine(Engine):
             sequences.
     """
 
-    def __init__(self, cfg: Config, mesh: DeviceMesh, split: Split, stages: list[TimedStage], modules,
-                 tied: list[TiedCopy], loss: Loss, tied_names: list[list[str]], compute_time: ComputeTime,
-                 sequence=None):
-        s = cfg.strategy
+    def __init__(self, schedule: str, microbatches: int, stages_per_rank: int, mesh: DeviceMesh, split: Split,
+                 stages: list[TimedStage], modules, tied: list[TiedCopy], loss: Loss, tied_names: list[list[str]],
+                 compute_time: ComputeTime, sequence=None):
         self.sequence = sequence
         self.tied_names = tied_names
-        self.cfg, self.mesh, self.split, self.stages, self.tied = cfg, mesh, split, stages, tied
+        self.schedule_name, self.stages_per_rank = schedule, stages_per_rank
+        self.mesh, self.split, self.stages, self.tied = mesh, split, stages, tied
         self.model = nn.ModuleList(modules)  # what the optimizer and the memory watch see
         self.aux = AuxWeights(modules)  # Note [auxiliary weight] in parallel/aux_weight.py
-        self.m = microbatches(cfg)
-        cls = schedules.schedule_class(s.schedule)
-        multi = schedules.is_multi_stage(s.schedule)
+        self.m = microbatches
+        cls = schedules.schedule_class(schedule)
+        multi = schedules.is_multi_stage(schedule)
         # scale_grads=False: the loss is already each microbatch's share of the global loss (Note [global
         # loss]); the schedule's default divides the gradients by the microbatch count, for a per-microbatch mean.
         self.loss = loss
@@ -112,7 +117,7 @@ class PipelineEngine(Engine):
         self.compute_time = compute_time
         self.step_time = 0.0
         self.window: list[tuple[float, float, dict]] = []  # (compute, schedule time, compute per stage) per step
-        self.timeline = Timeline(f"{s.schedule}, {self.m} microbatches")  # Note [pipeline timeline]
+        self.timeline = Timeline(f"{schedule}, {self.m} microbatches")  # Note [pipeline timeline]
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Run the schedule over the batch; returns this rank's part of the global loss (0 off the last
@@ -160,7 +165,7 @@ class PipelineEngine(Engine):
         training step); the last stage scores each microbatch."""
         self.scores = torch.zeros(3, dtype=torch.float64, device=x.device)
         args, y = self._local(x, y)
-        v_shaped = self.cfg.strategy.schedule in schedules.V_SHAPED
+        v_shaped = self.schedule_name in schedules.V_SHAPED
         try:
             with evaluating(list(self.model)), forward_only_actions(self.schedule) if v_shaped else nullcontext():
                 self.schedule.eval(*args, target=y if self.has_last else None)
@@ -229,7 +234,7 @@ class PipelineEngine(Engine):
 
     def metrics(self) -> dict:
         """Bubble (measured and analytic), stage imbalance, the timeline picture; collective over all ranks."""
-        s = self.cfg.strategy
+        pp, per_rank = self.mesh["pp"].size(), self.stages_per_rank
         # The median step since the last log: the trainer's memory watch slows
         # the steps it watches (a dispatch per op), and the median ignores them.
         window = sorted(self.window, key=lambda w: w[1])
@@ -237,14 +242,14 @@ class PipelineEngine(Engine):
         self.window = []
         busy = gather_floats([compute, self.step_time])
         bubbles = [max(0.0, 1 - b / t) if t > 0 else 0.0 for b, t in zip(busy[0::2], busy[1::2])]
-        per_stage = [0.0] * (s.pp * s.stages_per_rank)
+        per_stage = [0.0] * (pp * per_rank)
         for idx, t in per_stage_compute.items():
             per_stage[idx] = t
         stage_times = gather_floats(per_stage)
         totals = [sum(stage_times[i::len(per_stage)]) for i in range(len(per_stage))]
         mean = sum(totals) / len(totals)
         return {"bubble_measured": sum(bubbles) / len(bubbles), "bubble_measured_per_rank": bubbles,
-                "bubble_analytic": schedules.analytic_bubble(s.schedule, s.pp, s.stages_per_rank, self.m),
+                "bubble_analytic": schedules.analytic_bubble(self.schedule_name, pp, per_rank, self.m),
                 "stage_imbalance": max(totals) / mean if mean > 0 else 1.0,
                 "schedule_time_s": self.step_time,
                 "stage_time_s_per_stage": totals,
