@@ -16,9 +16,8 @@ they share are in every figure), and each measures:
                16x, less the time of the smallest such op (its dispatch)
     steps      9 reference training steps (plain torch MLPs and a small
                transformer; forward, backward, clipping, AdamW), all
-               processes stepping together, three times seconds apart
-               (launch/calibrate.py rounds=N: N times)
-               (after the products, the memory-bound ops and the
+               processes stepping together, three times (rounds=N: N)
+               seconds apart (after the products, the memory-bound ops and the
                collectives: a few seconds of steps found the machine up to
                a fifth faster or slower than the next few here), and their
                work:
