@@ -69,7 +69,7 @@ def traced_layers(stage: nn.Module, model: nn.Module, plan: dict[str, str]) -> N
     held = dict(stage.named_modules())
     split = [n for n, style in plan.items() if style in SPLITS and isinstance(held.get(n), InterpreterModule)]
     for name in split:
-        _own_layer(stage, held, name, model.get_submodule(name))
+        _own_layer(held, name, model.get_submodule(name))
     for prefix, sub in held.items():
         if isinstance(sub, InterpreterModule) and any(n.startswith(prefix + "." if prefix else "") for n in split):
             if any([_run_time_shapes(sub.graph, node) for node in list(sub.graph.nodes)]):
@@ -77,7 +77,7 @@ def traced_layers(stage: nn.Module, model: nn.Module, plan: dict[str, str]) -> N
                 sub.__dict__["graph_module"].recompile()  # the generated code the stage runs (chain.compiled)
 
 
-def _own_layer(stage: nn.Module, held: dict[str, nn.Module], name: str, original: nn.Module) -> None:
+def _own_layer(held: dict[str, nn.Module], name: str, original: nn.Module) -> None:
     """Put a copy of the model's own `original` in place of the traced module `name`, with its parameters."""
     traced = held[name]
     parent_name, _, leaf = name.rpartition(".")
