@@ -9,10 +9,11 @@ working on what the one before left:
      own modules (`eager_blocks`, parallel/strategies/pipeline/stages.py), so
      the next steps see real nn.Linear layers and the model's own forward code;
      nested blocks (Hugging Face models) stay traced, which steps 2b, 3 and 4
-     take as they are and step 2 refuses (Note [own or traced blocks]).
+     take as they are (Note [own or traced blocks]).
   2. tensor plan (tp > 1): each kept module's layers are split over the tp
      ranks by the plan (parallel.strategies.tensor); a stage takes the entries
-     for its own layers.
+     for its own layers, its traced ones made the model's own first (Note
+     [tensor parallelism over traced blocks]).
   2b. context plan (cp > 1): attention over the cp ranks, and the engine cuts
      each batch to this rank's chunks of every sequence
      (parallel.strategies.context); it changes no weights. With a pipeline,
@@ -85,8 +86,8 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     def pieces(module: nn.Module, blocks: list[nn.Module]) -> None:  # steps 2 and 3, on one module
         if s.pp > 1 and sequence is not None:  # a stage's blocks: their attention over the cp ranks
             point_stage_attention(module, sequence, model)
-        if s.tp > 1:
-            shard(module, mesh, tp_plan)
+        if s.tp > 1:  # a stage's traced layers made ready first (Note [tensor parallelism over traced blocks])
+            shard(module, mesh, tp_plan, model if s.pp > 1 else None)
         if s.ep > 1:  # before the blocks' data-parallel units, which leave the experts' own units out
             # Experts may be a model's only ModuleList: neither this rank's (their own units) nor the others'
             # (no longer in the model) are blocks.
@@ -105,7 +106,7 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
         sequence = sequence_shard(mesh)  # Note [context parallelism under the pipeline]
         if sequence is not None:
             traceable_attention(model)  # before the trace (Note [traced attention over the cp ranks])
-        tp_shapes = (lambda module: shard(module, mesh, tp_plan)) if s.tp > 1 else None  # noqa: E731
+        tp_shapes = (lambda module: shard(module, mesh, tp_plan, model)) if s.tp > 1 else None  # noqa: E731
         engine = build_pipeline(model, mesh, cfg, runtime, plan, transform=pieces, shape_transform=tp_shapes,
                                 sequence=sequence)
         engine.state_sharding = zero1(list(engine.model), mesh, s.zero)

@@ -71,10 +71,14 @@ def test_what_cannot_be_pipelined_is_a_config_error(strategy, args, message):
 
 
 # Nested blocks run traced in hybrid's stages (Note [own or traced blocks]): what needs the model's own block
-# code is refused, on 4 ranks; dp x pp is not (tests/distributed/test_hf_pipeline.py trains it).
+# code is refused, on 4 ranks; dp x pp and tp x pp are not (tests/distributed/test_hf_pipeline.py trains them),
+# but for what tensor parallelism cannot do over traced blocks (Note [tensor parallelism over traced blocks]).
 TRACED = [
-    ("llama", {"pp": 2, "tp": 2}, {}, r"strategy.tp=2: tensor parallelism shards the model's own layers; "
-     r"LlamaForCausalLM's blocks sit inside other modules \(model.layers.0.*strategy.tp=1 \(dp x pp\)"),
+    ("llama", {"pp": 2, "tp": 2, "sequence_parallel": True,
+               "tp_plan": ["model.layers.*.mlp.gate_proj:colwise", "model.layers.*.mlp.up_proj:colwise",
+                           "model.layers.*.mlp.down_proj:rowwise_seq", "model.layers.*.post_attention_layernorm:sequence"]},
+     {}, r"strategy.sequence_parallel=True: cuts the sequence inside the blocks.*LlamaForCausalLM's blocks sit "
+         r"inside other modules \(model.layers.0.*strategy.sequence_parallel=false"),
     ("llama", {"dp": 2, "pp": 2, "compile": True}, {}, r"trainer.compile=True: .*\(model.layers.0"),
     ("wrapped", {"pp": 2, "ep": 2}, {"model": "moe"}, r"strategy.ep=2: expert parallelism places the model's own "
      r"expert modules; Wrapped's blocks sit inside other modules \(inner.blocks.0.*strategy.ep=1"),
@@ -83,7 +87,8 @@ TRACED = [
 ]
 
 
-@pytest.mark.parametrize("factory,strategy,args,message", TRACED, ids=["tp", "compile", "ep", "sync_bn"])
+@pytest.mark.parametrize("factory,strategy,args,message", TRACED,
+                         ids=["sequence_parallel", "compile", "ep", "sync_bn"])
 def test_hybrid_stages_of_nested_blocks_refuse_what_needs_the_models_own_blocks(factory, strategy, args, message):
     cfg = _cfg(factory, {"name": "hybrid", "dp": 1, **strategy}, **args)
     if args.get("model") == "batchnorm_cnn":

@@ -50,6 +50,16 @@ def check_split(model: nn.Module, cfg: Config, data=None) -> None:
         _check_traced_blocks(model, cfg, inner)
 
 
+def _check_traced_plan(cfg: Config, where: str) -> None:
+    """What tensor parallelism cannot do over traced blocks is refused: sequence parallelism (Note [tensor
+    parallelism over traced blocks] in parallel/strategies/tensor/traced.py)."""
+    if cfg.strategy.sequence_parallel:
+        fail("strategy.sequence_parallel", True, f"cuts the sequence inside the blocks, whose traced rotary "
+             f"embeddings and masks are the whole sequence's; {where}, so its pipeline stages run them traced "
+             f"(Note [tensor parallelism over traced blocks] in parallel/strategies/tensor/traced.py)",
+             ["strategy.sequence_parallel=false", "strategy.pp=1"])
+
+
 def _check_traced_blocks(model: nn.Module, cfg: Config, inner: list[str]) -> None:
     """Nested blocks stay traced in their stages (Note [own or traced blocks] in stages.py): what needs the
     model's own block code is refused, naming what works instead."""
@@ -61,8 +71,7 @@ def _check_traced_blocks(model: nn.Module, cfg: Config, inner: list[str]) -> Non
         fail("trainer.compile", True, f"compiles the model's own blocks; {why}",
              ["trainer.compile=false", "strategy.pp=1"])
     if s.tp > 1:
-        fail("strategy.tp", s.tp, f"tensor parallelism shards the model's own layers; {why}",
-             ["strategy.tp=1 (dp x pp)", "strategy.pp=1 (dp x tp)"])
+        _check_traced_plan(cfg, where)
     if s.ep > 1:
         fail("strategy.ep", s.ep, f"expert parallelism places the model's own expert modules; {why}",
              ["strategy.ep=1", "strategy.pp=1"])

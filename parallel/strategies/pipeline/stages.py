@@ -3,7 +3,8 @@
 Each stage module is one piece of the chain (Note [stage chain] in chain.py),
 so it keeps the original parameter names. With a `transform` (strategy=hybrid)
 the model's own block modules are swapped back in first where they can be
-(Note [own or traced blocks]), so tensor and data parallelism see real layers.
+(Note [own or traced blocks]), so tensor and data parallelism see real layers
+(traced blocks: the layers tensor parallelism splits).
 Weights tied across stages live as one copy per stage (`TiedCopy`); the engine
 sums their gradients.
 
@@ -22,9 +23,13 @@ compute exactly what the model's would: data parallelism (FSDP2 units per
 block, then the stage) and recomputation need only module boundaries and
 parameters, which the traced blocks keep under the original names; context
 parallelism replaces the attention ops in their graphs (Note [traced attention
-over the cp ranks] in parallel/strategies/context/traced.py). What needs the
-model's own block code (tp, ep, trainer.compile, sync_batchnorm's BatchNorm
-layers) is refused for nested blocks with pp > 1 (check.py).
+over the cp ranks] in parallel/strategies/context/traced.py); tensor
+parallelism puts the model's own layers (nn.Linear, nn.Embedding) in place of
+the traced ones it splits and has the graphs around them read their shapes at
+run time, as the model's code does (Note [tensor parallelism over traced
+blocks] in parallel/strategies/tensor/traced.py). What needs the model's own
+block code (ep, trainer.compile, sync_batchnorm's BatchNorm layers), and
+sequence parallelism, are refused for nested blocks with pp > 1 (check.py).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
@@ -229,10 +235,12 @@ def _static_shapes(split: Split, chained: list[fx.GraphModule], example: tuple, 
     """
     shaped = chained
     if shape_transform is not None:
-        shaped = [copy.deepcopy(gm) for gm in chained]
+        with unset_fake_temporarily():  # the traced graphs' own fake values copy as they are, not into the planner's
+            shaped = [copy.deepcopy(gm) for gm in chained]
         for gm in shaped:
             _drop_unused(gm, split.blocks)
-            eager_blocks(gm, model, split.blocks)
+            if model is not None:  # else the traced blocks stay (Note [own or traced blocks])
+                eager_blocks(gm, model, split.blocks)
             shape_transform(gm)
     return stage_shapes(shaped, example, wire)
 

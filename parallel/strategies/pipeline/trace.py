@@ -28,6 +28,13 @@ on the CPU, whose histc takes floating point only, where it counts them as float
 integer count is recorded, and `retarget` gives a CPU rank's histc its input as floats (the same counts:
 the ids are small integers, exact in fp32), the op the model runs there.
 
+The trace also records where the model's code converted a tensor (`x.to(torch.float32)` in a Hugging Face
+RMSNorm) an `_assert_tensor_metadata` of the dtype it saw then, which the run's own casts may change: under
+FSDP2's bf16 parameters (Note [mixed precision] in parallel/strategies/data.py) an embedding hands its norm a
+bf16 tensor, and the assert stopped a bf16 run of a Hugging Face model under dp x pp ("Tensor dtype mismatch!
+Expected: Float, Got: c10::BFloat16"). `retarget` removes those asserts (they compute nothing); the conversion
+after each is kept as traced (to fp32), as autocast then casts the next matrix product's inputs anyway.
+
 # Note [fused projections traced]
 PyTorch's pipeline() finds each weight the trace reads by the model's `state_dict(keep_vars=True)` and moves
 it into the stage that uses it. A module whose state-dict hooks save its weights under other names has them
@@ -156,7 +163,8 @@ def _free_name(gm: nn.Module, base: str) -> str:
 
 
 def retarget(module: nn.Module, device) -> None:
-    """Point the ops of every traced graph in `module` that name the meta device at `device` (see the Note).
+    """Point the ops of every traced graph in `module` that name the meta device at `device`, and drop its
+    dtype asserts (see the Note).
 
     The device is an argument by name (`torch.arange(..., device=)`) or by position (`aten.to.device`).
     """
@@ -166,6 +174,10 @@ def retarget(module: nn.Module, device) -> None:
         changed = False
         for node in list(sub.graph.nodes):
             if node.op != "call_function":
+                continue
+            if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+                sub.graph.erase_node(node)  # the trace's dtype, which a run's casts may change (see the Note)
+                changed = True
                 continue
             changed |= _histc_as_floats(sub.graph, node, device)
             if _is_meta(node.kwargs.get("device")):

@@ -59,6 +59,7 @@ from parallel.strategies.tensor.checks import check_heads, check_module, check_t
 from parallel.strategies.tensor.infer import infer_plan
 from parallel.strategies.tensor.rehearse import rehearse
 from parallel.strategies.tensor.styles import STYLES, make_style
+from parallel.strategies.tensor.traced import traced_layers
 from parallel.tensors import as_call
 
 __all__ = ["STYLES", "apply_tensor", "check_plan", "check_tensor_keys", "infer_plan", "resolve_plan", "shard",
@@ -174,14 +175,18 @@ def tensor_plan(model: nn.Module, tp: int, entries: Sequence[str], sequence_para
     return plan
 
 
-def shard(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
+def shard(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str], model: nn.Module | None = None) -> None:
     """Apply the plan's styles to `module` (on meta) over the mesh's `tp` dimension, in place.
 
     Names in the plan that `module` does not hold are skipped: a pipeline stage
     takes the entries for its own layers. A weight tied between modules (which
     the plan check made sure are split alike) is one parameter again afterwards:
     each style replaces its module's parameters with DTensors of its own.
+    `model`: the unpartitioned model, for a pipeline stage whose blocks run traced (Note [tensor parallelism
+    over traced blocks] in traced.py).
     """
+    if model is not None:
+        traced_layers(module, model, plan)
     held = dict(module.named_modules())
     styles = {n: make_style(s, held[n]) for n, s in plan.items() if n in held}
     styles = {n: style for n, style in styles.items() if style is not None}
