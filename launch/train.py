@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from parallel.launcher import (  # noqa: E402
 )
 from parallel.models.build import build_meta_model  # noqa: E402
 from parallel.models.weights import check_init_memory  # noqa: E402
-from parallel.planning.auto import chart, choose, device_budget, table  # noqa: E402
+from parallel.planning.auto import chart, choose, device_budget, table, write_record  # noqa: E402
 from parallel.validate import to_config_with_data, validate  # noqa: E402
 
 
@@ -73,16 +72,14 @@ def _choose(cfg, data, world: int, run_dir: str, started_by: str | None) -> dict
         raise ConfigError(f"strategy='auto': chooses before the workers start, and {started_by} has started "
                           f"them; run `python launch/train.py strategy=auto nproc={world} ...` (or "
                           f"launch/plan.py) once and start {started_by} with the strategy it picks")
-    chosen, found = choose(cfg, world, Path(run_dir), data=data)
+    searched: dict = {}
+    chosen, found = choose(cfg, world, Path(run_dir), data=data, searched=searched)
     budget = device_budget(cfg, world)
     print(table(found, f"budget {budget / 1e6:.2f} MB per rank"))
     picked = next(c for c in found if c.dropped is None)
     print(f"auto: running {picked.name} ({' '.join(picked.overrides)})")
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
     # The prediction the run logs beside its measured step time (parallel.throughput.auto_prediction).
-    Path(run_dir, "auto.json").write_text(json.dumps({"chosen": picked.overrides, "predicted_step_time_s":
-                                                      picked.times["step"], "candidates": [vars(c) for c in found]},
-                                                     indent=2))
+    write_record(Path(run_dir), found, searched)
     chart(found, budget, Path(run_dir, "auto.png"))
     return to_dict(chosen)
 

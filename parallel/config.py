@@ -315,6 +315,10 @@ class PlanConfig:
     # true: every block traced; false: a model of many blocks alike traced at 2, 3 and 4 blocks and its plan
     # extended to its depth, to the same bytes (Note [planning by depth] in parallel/planning/depth.py).
     every_block: bool = False
+    # strategy=auto over a cluster (Note [auto over a cluster] in parallel/planning/cluster.py): at most this many
+    # layouts planned in full, and no plan started that would end after this many seconds of the search.
+    auto_plans: int = 40
+    auto_deadline_s: float = 480.0
 
 
 @dataclass

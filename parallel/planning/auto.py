@@ -65,38 +65,38 @@ gives the all-to-alls' part of comm_bytes as all_to_all_bytes.
 
 The bytes of comm_bytes count what leaves the rank under the ring algorithms
 (Note [comm bytes]); the cost model prices each call by what it is handed.
+
+With a GPU profile and more workers than one of its nodes holds, the list
+above is not what is tried: every layout dp x tp x pp x cp of the world is
+enumerated, screened by a lower bound on its memory, ordered by an estimate
+and the most promising planned within plan.auto_plans and
+plan.auto_deadline_s (Note [auto over a cluster] in
+parallel/planning/cluster.py); auto.json then holds what the search did
+(`search`) beside the planned candidates.
 """
 from __future__ import annotations
 
-import copy
+import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from parallel.config import Config, ConfigError, StrategyConfig, cuda_run, fail, strategy_spec
+from parallel.config import Config, ConfigError, cuda_run, fail, strategy_spec
 from parallel.hardware import gpu_profile
 from parallel.memory.budget import budget_bytes
 from parallel.models.build import build_meta_model
 from parallel.pictures.candidates import write_candidates
 from parallel.planning.allocator import held
+from parallel.planning.cluster import applies, search, summary_text
 from parallel.planning.cost import calibration_for, describe, replay_for, step_times
+from parallel.planning.layouts import Candidate, apply_overrides
 from parallel.planning.on_profile import describe_profile, profile_times
 from parallel.planning.planner import plan
 from parallel.strategies.expert import has_experts
 from parallel.validate import validate
-
-
-@dataclass
-class Candidate:
-    name: str
-    overrides: list[str]
-    peak: int | None = None  # the largest rank's predicted peak, bytes
-    times: dict = field(default_factory=dict)  # compute, bubble, comm, transfers, step (seconds)
-    dropped: str | None = None  # why it does not run
 
 
 def candidates(world: int, microbatches: int | None = None, experts: bool = False) -> list[Candidate]:
@@ -163,22 +163,6 @@ def _strategy(cand: Candidate) -> str:
     return next(o.partition("=")[2] for o in cand.overrides if o.startswith("strategy="))
 
 
-def _apply(cfg: Config, overrides: list[str]) -> Config:
-    """`cfg` with a fresh strategy section set by `overrides` (strategy=NAME, strategy.KEY=VALUE)."""
-    c = copy.deepcopy(cfg)
-    c.strategy = StrategyConfig(schedule=cfg.strategy.schedule, microbatches=cfg.strategy.microbatches)
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key == "strategy":
-            c.strategy.name = value
-            continue
-        attr = key.split(".", 1)[1]
-        current = getattr(c.strategy, attr)
-        setattr(c.strategy, attr, int(value) if isinstance(current, int) or current is None and value.isdigit()
-                else value)
-    return c
-
-
 def device_budget(cfg: Config, world: int) -> int:
     """memory.budget, or the device's memory: a GPU's, or on the CPU this machine's RAM shared by the workers.
     A CUDA run planned on a host without a GPU (Note [planning for CUDA]) needs memory.budget."""
@@ -210,15 +194,24 @@ def disk_bandwidth(directory: Path, nbytes: int = 64 << 20) -> float:
     return 2 * nbytes / elapsed
 
 
-def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) -> tuple[Config, list[Candidate]]:
+def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None,
+           searched: dict | None = None) -> tuple[Config, list[Candidate]]:
     """The fastest candidate that fits; every candidate with its figures or the reason it was dropped (`data`:
-    what was read from the data, parallel.data.spec.DataSpec).
+    what was read from the data, parallel.data.spec.DataSpec). Over a cluster (Note [auto over a cluster]) the
+    layouts searched instead, and `searched` filled with what the search did.
 
     Raises:
         ConfigError: when no candidate fits the budget (naming the smallest peak).
     """
     budget = device_budget(cfg, world)
     hw = gpu_profile(cfg)  # a GPU profile prices each candidate from its work (Note [step time on a profile])
+    if applies(world, hw):
+        progress(f"auto: budget {budget / 2**30:.1f} GiB per rank of CUDA memory; rates {describe_profile(hw)}")
+        found, summary = search(cfg, world, run_dir, budget, hw, progress, data)
+        progress(summary_text(summary, budget))
+        if searched is not None:
+            searched.update(summary)
+        return _picked(cfg, found, budget, world, data), found
     cal = calibration_for(cfg, world) if hw is None else None
     replay = replay_for(cfg, cal, world) if hw is None else None
     disk = disk_bandwidth(Path(run_dir)) if world == 1 else None
@@ -232,7 +225,7 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
     while i < len(found):  # recomputed variants join the list as candidates exceed the budget (then fit)
         cand = found[i]
         i += 1
-        c = _apply(cfg, cand.overrides)
+        c = apply_overrides(cfg, cand.overrides)
         c.run_dir = str(run_dir)
         quiet.setLevel(logging.WARNING)  # the strategies' own build messages, once per candidate
         try:
@@ -257,13 +250,33 @@ def choose(cfg: Config, world: int, run_dir: Path, progress=print, data=None) ->
                 found.append(again)
         state = cand.dropped or f"peak {cand.peak / 1e6:.2f} MB, step {cand.times['step'] * 1e3:.1f} ms"
         progress(f"auto: [{i}/{len(found)}] {cand.name}: {state}")
-    fits = sorted((c for c in found if c.dropped is None), key=lambda c: c.times["step"])
+    found = sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
+    return _picked(cfg, found, budget, world, data), found
+
+
+def _picked(cfg: Config, found: list[Candidate], budget: int, world: int, data) -> Config:
+    """The config of the first of `found` (ranked) that fits, validated; a ConfigError when none does."""
+    fits = [c for c in found if c.dropped is None]
     if not fits:
         _none_fits(cfg, found, budget)
-    chosen = _apply(cfg, fits[0].overrides)
+    chosen = apply_overrides(cfg, fits[0].overrides)
     chosen.run_dir = cfg.run_dir
     validate(chosen, world, data)
-    return chosen, sorted(found, key=lambda c: (c.dropped is not None, c.times.get("step", 0)))
+    return chosen
+
+
+def write_record(run_dir: Path, found: list[Candidate], searched: dict | None = None) -> Path:
+    """auto.json: the pick's overrides and predicted step, every candidate (and over a cluster what the search
+    did, `search`); the run logs the prediction beside its measured step (parallel.throughput.auto_prediction)."""
+    picked = next(c for c in found if c.dropped is None)
+    record = {"chosen": picked.overrides, "predicted_step_time_s": picked.times["step"],
+              "candidates": [vars(c) for c in found]}
+    if searched:
+        record["search"] = searched
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(run_dir, "auto.json")
+    path.write_text(json.dumps(record, indent=2))
+    return path
 
 
 def _none_fits(cfg: Config, found: list[Candidate], budget: float) -> None:

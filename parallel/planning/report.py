@@ -11,7 +11,7 @@ from parallel.config import Config, bf16_run, cuda_run, strategy_spec
 from parallel.hardware import gpu_profile
 from parallel.memory.budget import budget_bytes
 from parallel.pictures.memory import write_memory
-from parallel.planning.auto import choose, device_budget, disk_bandwidth, table
+from parallel.planning.auto import choose, device_budget, disk_bandwidth, table, write_record
 from parallel.planning.cost import calibration_for, describe, replay_for, step_times
 from parallel.planning.cuda import BLOCK, LEFT_OUT, cublas_workspace
 from parallel.planning.on_profile import report_profile
@@ -25,9 +25,11 @@ def report(cfg: Config, world: int, run_dir: str, data=None) -> None:
     (parallel.data.spec.DataSpec)."""
     found = None
     if strategy_spec(cfg.strategy.name).chooses:  # strategy=auto: plan the candidates, then the one picked
-        budget = device_budget(cfg, world)
-        cfg, found = choose(cfg, world, Path(run_dir), data=data)
-        print(table(found, f"budget {human_bytes(budget)} per rank"))
+        budget, searched = device_budget(cfg, world), {}
+        cfg, found = choose(cfg, world, Path(run_dir), data=data, searched=searched)
+        if not searched:  # over a cluster the search printed its own table (Note [auto over a cluster])
+            print(table(found, f"budget {human_bytes(budget)} per rank"))
+        print(f"written: {write_record(Path(run_dir), found, searched)}")
     plans = plan(cfg, world, by_module=cfg.plan.by_module, data=data)
     os.makedirs(run_dir, exist_ok=True)
     cuda = cuda_run(cfg.trainer.device)
