@@ -15,8 +15,7 @@ recomputed selectively or recomputed per block. The model's rules are
 applied before anything is built: tp divides the attention's head counts,
 pp x stages per rank at most the blocks, dp the batch and the microbatches
 the per-rank batch, 2 x cp the sequence, the schedule's own
-(schedules.check), no tp beside pp when the model's blocks are nested (their
-stages run traced). Those ruled out are counted by reason.
+(schedules.check). Those ruled out are counted by reason.
 
 Then, per layout, arithmetic only (parallel.planning.screen):
     bound     bytes some rank must hold whatever the planner finds: at the

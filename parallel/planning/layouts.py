@@ -55,7 +55,7 @@ class ModelShape:
     block_params: int  # one block's of its list of blocks alike (0: no such list)
     blocks: int  # blocks in that list
     param_bytes: int  # bytes per parameter element (the model's dtype)
-    nested: bool  # its blocks sit inside other modules: a pipeline runs them traced (no tp beside it)
+    nested: bool  # its blocks sit inside other modules: a pipeline runs them traced (Note [own or traced blocks])
     hidden: int | None = None  # the embedding's width
     vocab: int | None = None  # the embedding's rows
     heads: tuple[int, ...] = ()  # attention head counts tensor parallelism must divide (q, and kv heads)
@@ -188,8 +188,6 @@ def _degrees_refused(dp: int, tp: int, pp: int, cp: int, shape: ModelShape, cfg:
             return f"pp above the model's {shape.blocks} blocks"
         if t.grad_accum != 1:
             return "pp with trainer.grad_accum != 1"
-        if tp > 1 and shape.nested:
-            return "tp x pp: the model's blocks are nested, its stages run them traced"
     return None
 
 
