@@ -23,8 +23,14 @@ DEPTHS d = 2, 3, 4 with stage s holding k_s - K + d blocks, cut there by
 the sum), and every count of each role's plan is extended along its line to
 d = K: a stage's first and last blocks stay its first and last, the schedule
 stays the schedule, and only the blocks between them are fewer. Where a count
-is off its line (or K is no more than the deepest depth planned, where the
-depths would be the model itself), the pipeline is traced whole. Each depth's
+is off its line, the pipeline is traced whole, as it is where K is no more
+than 2 + 3 + 4 (GAINS_FROM): what costs most in a pipeline's plan is its step,
+each block of each stage run for every microbatch, and the three depths run
+2 + 3 + 4 blocks a stage where the whole model runs K (a 405B Llama over 16
+interleaved stages holds 7 or 8 a stage: traced whole). Where the first
+three depths' forward peak moves (the last stage's, from its blocks to its
+head, between 2 and 3 blocks), a fourth depth, 5, is planned and the line
+drawn through 3, 4 and 5. Each depth's
 model is built once, copied for each role (a 405B Llama takes 5 s to build on
 meta here, its copy cut to 4 blocks a stage well under one), and each depth's
 split traced once for all its roles (Note [a traced split, once] in split.py).
@@ -46,6 +52,11 @@ if TYPE_CHECKING:
     from parallel.dims import ParallelDims
 
 
+# A stage's blocks step through the three depths planned 2 + 3 + 4 times, through the whole model once: fewer
+# blocks a stage than that are faster traced whole (Note [stages by depth]).
+GAINS_FROM = sum(DEPTHS)
+
+
 def plan_stages(cfg: "Config", dims: "ParallelDims", plan_roles, data=None) -> list | None:
     """Every role's plan of a pipeline over a model of blocks alike, from its plans with DEPTHS blocks a stage
     extended (Note [stages by depth]); None where it has no such blocks, its stages hold too few to gain by
@@ -59,7 +70,7 @@ def plan_stages(cfg: "Config", dims: "ParallelDims", plan_roles, data=None) -> l
     split = plan_split(model, cfg, dims.dp * dims.ep, Runtime(time_blocks=False, data=data), trace_split=False)
     held = _held(split.blocks, split.starts, every)
     fewest = min((k for k in held if k), default=0) if held is not None else 0
-    if fewest <= DEPTHS[-1]:  # the depths planned would be the model itself
+    if fewest <= GAINS_FROM:  # the depths planned would step through more blocks than the model's stages hold
         return None
     plans = {}
     for d in (*DEPTHS, DEPTHS[-1] + 1):  # one deeper where a peak moved between the shallowest two

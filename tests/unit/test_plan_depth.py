@@ -97,6 +97,7 @@ def test_a_pipeline_extended_by_depth_is_the_plan_of_every_block(monkeypatch):
     extended = []
     monkeypatch.setattr(stages_by_depth, "extend", lambda *a, **k: extended.append(depth.extend(*a, **k))
                         or extended[-1])
+    monkeypatch.setattr(stages_by_depth, "GAINS_FROM", 5)  # 6 blocks a stage, planned by depth all the same
     fast = plan(_cfg(2, settings, layers=12), 2)
     assert extended and extended[-1] is fast  # planned by depth, not traced whole
     _same(whole, fast, cuda=True)
