@@ -15,6 +15,8 @@ models keep their lists at the top, so their blocks are what they were.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -110,3 +112,72 @@ def candidates(model: nn.Module, example: tuple, named: dict | None = None) -> t
         for h in handles:
             h.remove()
     return order, inputs
+
+
+# Note [blocks alike]
+# Many models are a list of blocks alike between an embedding and a head: one class, the same parameters and
+# buffers (names, shapes, dtypes) and the same plain settings but those that number the block (Hugging Face's
+# `layer_idx`). What is true of one such block is true of every other: it costs the same FLOPs, saves the same
+# activations, and the values crossing the boundary before it are those crossing before the next. Code that
+# asks something of every block (the planner: Note [planning by depth] in parallel/planning/depth.py; the
+# pipeline's split: Note [a split by blocks alike] in parallel/strategies/pipeline/split.py) asks it of a few
+# and extends the answer, on the model with its list cut short (`shortened`).
+def alike_blocks(model: nn.Module, deeper_than: int) -> tuple[str, nn.Module] | None:
+    """The name and module of `model`'s one list of blocks alike (Note [blocks alike]) when it holds more than
+    `deeper_than` blocks, or None."""
+    names = repeated_blocks(model)
+    parents = {name.rpartition(".")[0] for name in names}
+    if len(parents) != 1:
+        return None
+    parent = parents.pop()
+    blocks = model.get_submodule(parent)
+    children = list(blocks.children())
+    if len(children) <= deeper_than:
+        return None
+    signatures = [_signature(m) for m in children]
+    if len({(kind, tensors) for kind, tensors, _ in signatures}) != 1:
+        return None
+    settings = [dict(s) for _, _, s in signatures]
+    for key in set().union(*settings):
+        values = [s.get(key) for s in settings]
+        if len(set(values)) > 1 and values != list(range(len(children))):  # one that numbers the blocks may differ
+            return None
+    return parent, blocks
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What two blocks alike share: class, parameter and buffer shapes, plain settings (Note [blocks alike])."""
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()) + \
+        tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers())
+    settings = tuple(((name, key), value) for name, m in block.named_modules() for key, value in sorted(vars(m).items())
+                     if not key.startswith("_") and isinstance(value, (bool, int, float, str)))
+    return type(block), tensors, settings
+
+
+def cut(model: nn.Module, parent: str, depth: int) -> None:
+    """`model` with its list of blocks `parent` cut to its first `depth` blocks, in place."""
+    owner_name, _, attr = parent.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    blocks = owner.get_submodule(attr)
+    items = list(blocks.named_children())[:depth]
+    if isinstance(blocks, nn.ModuleDict):
+        shorter = nn.ModuleDict(items)
+    elif isinstance(blocks, nn.Sequential):
+        shorter = nn.Sequential(dict(items))
+    else:
+        shorter = nn.ModuleList(m for _, m in items)
+    assert isinstance(blocks, LISTS)
+    setattr(owner, attr, shorter)
+
+
+@contextlib.contextmanager
+def shortened(model: nn.Module, parent: str, depth: int):
+    """`model` with its list of blocks `parent` cut to its first `depth` blocks while inside, whole again after."""
+    owner_name, _, attr = parent.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    whole = getattr(owner, attr)
+    cut(model, parent, depth)
+    try:
+        yield model
+    finally:
+        setattr(owner, attr, whole)

@@ -60,6 +60,9 @@ class Runtime:
         data: what validation read from the data (a parallel.data.spec.DataSpec: data=custom's fields, Note
             [data spec]), which the data source and the example inputs are shaped by; None: nothing read
             (synthetic data, shards).
+        reuse_traces: a pipeline split traced before in this process, of the same model cut at the same blocks,
+            is handed out again as a copy (the planner's roles: Note [a traced split, once] in
+            parallel/strategies/pipeline/split.py); False: traced anew.
     """
 
     device: torch.device = torch.device("cpu")
@@ -76,3 +79,4 @@ class Runtime:
     target: torch.device | None = None
     run_dir: Path | None = None
     data: Any = None
+    reuse_traces: bool = False

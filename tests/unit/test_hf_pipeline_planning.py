@@ -96,3 +96,17 @@ def test_hybrid_stages_of_nested_blocks_refuse_what_needs_the_models_own_blocks(
     with pytest.raises(ConfigError, match=message) as info:
         validate(cfg, world_size=4)
     assert "\n" not in str(info.value)  # one line
+
+
+def test_a_split_by_blocks_alike_is_the_split_of_every_block():
+    """Note [a split by blocks alike]: the names, costs and boundaries of a Llama's 7 layers asked of 4 are those
+    asked of all 7 (its embedding, rotary embeddings, norm and head kept), so the balanced split is too."""
+    from parallel.strategies.pipeline import split
+
+    with torch.device("meta"):
+        model = hf_models.llama(layers=7)
+    names, costs, bounds = split._costs(model, TOKENS, timed=False)
+    alike = split._costs_by_blocks_alike(model, TOKENS, *split.alike_blocks(model, split.SHORT))
+    assert alike is not None and alike[0] == names and alike[1] == costs
+    assert alike[2]() == split._traced_boundaries(model, TOKENS, names)
+    assert len(list(model.model.layers)) == 7  # the list is whole again

@@ -6,13 +6,16 @@ planner run the same code as a worker does before it builds its stages.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from parallel.blocks import candidates
+from parallel.blocks import alike_blocks, candidates, shortened
 from parallel.config import Config, ConfigError
 from parallel.data import example_input
 from parallel.memory.budget import budget_bytes
@@ -68,31 +71,31 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime, trace_s
     s = cfg.strategy
     n_stages = s.pp * s.stages_per_rank
     example = example_microbatch(cfg, dp, runtime.data)
-    try:
-        names, inputs = candidates(model, *by_name(example))
-    except Exception as e:  # the forward failed on meta tensors: same cause as a failed trace
-        raise untraceable(model, e) from None
-    if n_stages > len(names):
-        raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
-                          f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)}): its "
-                          "top-level children, the items of its top-level ModuleLists / Sequentials / ModuleDicts, and the "
-                          "repeated blocks of a child that holds them (Note [nested blocks] in parallel/blocks.py)")
     # Only rank 0's choice counts (runtime.agree), so only rank 0 times the blocks and
     # traces the boundaries: the others would compete with it for the machine and
     # skew what it measures.
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     chooses = not distributed or dist.get_rank() == 0
     timed = runtime.time_blocks and chooses
-    blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if timed else -1)
     in_flight = microbatches(cfg) if schedules.canonical(s.schedule) == "GPipe" else min(microbatches(cfg), s.pp)
-    starts_idx, exact = _choose_starts(cfg, model, example, names, blocks, in_flight) if chooses else (None, False)
+    found = None if timed else alike_blocks(model, SHORT)
+    costs = _costs_by_blocks_alike(model, example, *found) if found is not None else None
+    if costs is None:
+        costs = _costs(model, example, timed)
+    names, blocks, bounds = costs
+    if n_stages > len(names):
+        raise ConfigError(f"strategy.pp={s.pp} x stages_per_rank={s.stages_per_rank}: {n_stages} stages, "
+                          f"but {type(model).__name__} has only {len(names)} blocks to split ({', '.join(names)}): its "
+                          "top-level children, the items of its top-level ModuleLists / Sequentials / ModuleDicts, and the "
+                          "repeated blocks of a child that holds them (Note [nested blocks] in parallel/blocks.py)")
+    starts_idx, exact = _choose_starts(cfg, names, blocks, in_flight, bounds()) if chooses else (None, False)
     starts_idx = runtime.agree(starts_idx)  # every rank must cut the model the same way: rank 0's choice wins
     if starts_idx is None:  # no rank 0 to agree with (the planner plans each rank on its own)
-        starts_idx, exact = _choose_starts(cfg, model, example, names, blocks, in_flight)
+        starts_idx, exact = _choose_starts(cfg, names, blocks, in_flight, bounds())
     starts = [names[i] for i in starts_idx]
     pipe = None
     if trace_split or not exact:
-        pipe = trace(model, example, starts)
+        pipe = _traced(model, example, names, starts) if runtime.reuse_traces else trace(model, example, starts)
         if pipe.num_stages != n_stages:
             raise ConfigError(f"strategy.split_points={starts[1:]}: the traced forward gave {pipe.num_stages} "
                               f"stages, not {n_stages}; pick blocks that the forward calls in order")
@@ -101,11 +104,62 @@ def plan_split(model: nn.Module, cfg: Config, dp: int, runtime: Runtime, trace_s
     return Split(starts, pipe, _rows(cfg, blocks, starts_idx, in_flight), names, transient)
 
 
-def _choose_starts(cfg: Config, model: nn.Module, example: tuple, names: list[str],
-                   blocks: list[partition.BlockCost], in_flight: int) -> tuple[list[int], bool]:
-    """Block indices where stages begin, and whether every block is a call site of its own (`_boundaries`)."""
+def _costs(model: nn.Module, example: tuple, timed: bool):
+    """Every candidate block's name and cost, and how to find where stages may begin: (names, costs, bounds),
+    `bounds()` giving `_boundaries`' answer."""
+    try:
+        names, inputs = candidates(model, *by_name(example))
+    except Exception as e:  # the forward failed on meta tensors: same cause as a failed trace
+        raise untraceable(model, e) from None
+    blocks = partition.measure(model, names, inputs, measure_limit_bytes=(256 << 20) if timed else -1)
+    return names, blocks, lambda: _boundaries(model, example, names)
+
+
+# Note [a split by blocks alike]
+# A split weighed by FLOPs (the config check's, the planner's: blocks not timed) asks three things of every
+# block: that it runs on meta (`candidates`), its FLOPs and bytes (`partition.measure`), and whether only
+# floating-point values cross before it (`_boundaries`, a trace of the whole model cut before every block).
+# On a 126-block Llama 405B those took 230 s here. Blocks alike (Note [blocks alike] in parallel/blocks.py)
+# give one answer each, so they are asked of the model with its list cut to SHORT blocks, and every block of
+# the list takes the answer of the list's second to last blocks there: its cost (the same FLOPs and bytes for
+# each, checked), and whether a stage may begin at it (the same for the SHORT - 1 boundaries inside the list,
+# checked; the first block's is its own). The candidates before and after the list keep theirs. The balanced
+# split over these costs is the one over every block's (they are the same numbers), and so is the traced split,
+# which is made of the whole model as before. A list whose blocks' answers differ is asked whole.
+SHORT = 4
+
+
+def _costs_by_blocks_alike(model: nn.Module, example: tuple, parent: str, blocks: nn.Module):
+    """`_costs` of `model` from the model with its list of blocks alike `parent` cut to SHORT blocks (Note [a
+    split by blocks alike]), or None where the blocks' answers differ there."""
+    n = len(list(blocks.children()))
+    with shortened(model, parent, SHORT):
+        names, costs, bounds = _costs(model, example, timed=False)
+        inner = [f"{parent}.{name}" for name, _ in model.get_submodule(parent).named_children()]
+        first = names.index(inner[0]) if inner[0] in names else -1
+        if first < 0 or names[first:first + SHORT] != inner:
+            return None
+        allowed, exact = bounds()
+    alike = {(b.params, b.param_bytes, b.act_bytes, b.flops, b.time_s) for b in costs[first:first + SHORT]}
+    inside = {first + i in allowed for i in range(1, SHORT)}
+    if len(alike) != 1 or len(inside) != 1:
+        return None
+    every = [f"{parent}.{name}" for name, _ in blocks.named_children()]
+    names = names[:first] + every + names[first + SHORT:]
+    one = costs[first + 1]
+    costs = costs[:first] + [dataclasses.replace(one, name=name) for name in every] + costs[first + SHORT:]
+    after = n - SHORT  # the indices past the list move by the blocks put back
+    allowed = {i for i in allowed if i <= first} | {i + after for i in allowed if i >= first + SHORT} | \
+        (set(range(first + 1, first + n)) if inside.pop() else set())
+    return names, costs, lambda: (set(allowed), exact)
+
+
+def _choose_starts(cfg: Config, names: list[str], blocks: list[partition.BlockCost], in_flight: int,
+                   bounds: tuple[set[int], bool]) -> tuple[list[int], bool]:
+    """Block indices where stages begin, and whether every block is a call site of its own (`bounds`: where a
+    stage may begin and that, `_boundaries`' answer)."""
     s = cfg.strategy
-    allowed, exact = _boundaries(model, example, names)
+    allowed, exact = bounds
     if s.split_points:
         return _given_starts(s, names, s.pp * s.stages_per_rank, allowed), exact
     return _balanced_starts(cfg, blocks, s.pp * s.stages_per_rank, allowed, in_flight), exact
@@ -195,6 +249,29 @@ def _traced_boundaries(model: nn.Module, example: tuple, names: list[str]) -> tu
     shapes = stage_shapes(_chained(pipe), example)
     return {j for j in range(1, len(names))
             if all(t.dtype.is_floating_point or t.dtype == torch.bool for t in shapes[j][0])}, True
+
+
+# Note [a traced split, once]
+# The planner plans every rank role of a pipeline on its own (Note [planner]), each building the model and
+# tracing the same split of it: 8 traces of one 70-block model for a pipeline of degree 8, 2-4 s a trace for
+# a Llama 405B's few blocks here, where the steps planned take less. With `runtime.reuse_traces` the split
+# traced is kept in this process by what it depends on (`_fingerprint` and the cuts) and each later role
+# gets a copy of it, untouched (its stages are rewritten in place as they are built: Note [stage chain]).
+_KNOWN_TRACES: dict[tuple, object] = {}
+
+
+def _traced(model: nn.Module, example: tuple, names: list[str], starts: list[str]):
+    """`trace(model, example, starts)`, or a copy of it traced before (Note [a traced split, once])."""
+    key = (_fingerprint(model, example, names), tuple(starts))
+    if key not in _KNOWN_TRACES:
+        if len(_KNOWN_TRACES) >= _KNOWN_LIMIT // 4:
+            del _KNOWN_TRACES[next(iter(_KNOWN_TRACES))]
+        pipe = trace(model, example, starts)
+        with unset_fake_temporarily():
+            _KNOWN_TRACES[key] = copy.deepcopy(pipe)
+        return pipe
+    with unset_fake_temporarily():  # under the planner's fake mode a meta buffer would copy as a fake tensor
+        return copy.deepcopy(_KNOWN_TRACES[key])
 
 
 def _fingerprint(model: nn.Module, example: tuple, names: list[str]) -> tuple:

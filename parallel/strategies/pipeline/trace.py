@@ -16,7 +16,10 @@ calls it (the outlined `rotary_emb` is called without its inputs: "Expected posi
 parameter unsqueeze_default"). Before the cut, each such region is inlined into the
 graph (`_inline_grad_regions`, given to `pipeline` as its `split_policy`): its ops run where it was, and
 each result of a region that had gradients off is detached, which gives the values and gradients the
-region gave (`no_grad(f)(x)` is `f(x).detach()` for an `f` that changes nothing in place). The cuts are
+region gave (`no_grad(f)(x)` is `f(x).detach()` for an `f` that changes nothing in place). Export also puts a check of
+the input's dtype before each cast it records (`aten._assert_tensor_metadata`: Llama's norms cast to fp32 and
+back): the dtypes of a trace on meta in the model's dtype, which a bf16 stage's autocast (Note [bf16 stages]
+in stages.py) changes on purpose; the checks are dropped with the regions, the casts stay. The cuts are
 marked by forward pre-hooks calling `pipe_split()` (what `split_spec` does by wrapping forwards, which
 `pipeline` takes only without a `split_policy`).
 
@@ -60,6 +63,7 @@ from torch.export.unflatten import InterpreterModule
 from parallel.config import ConfigError
 
 GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+DTYPE_CHECK = torch.ops.aten._assert_tensor_metadata.default
 
 # Tracing copies torch's own pytree specs (so does copying a traced stage,
 # stages.py), whose deprecated LeafSpec check warns once per process from
@@ -106,7 +110,10 @@ def untraceable(model: nn.Module, e: Exception) -> ConfigError:
 
 
 def _inline_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Replace every `wrap_with_set_grad_enabled` region of `gm` by its ops (see the Note)."""
+    """Replace every `wrap_with_set_grad_enabled` region of `gm` by its ops, and drop the dtype checks export
+    put before each cast (see the Note)."""
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is DTYPE_CHECK]:
+        gm.graph.erase_node(node)
     while True:
         region = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is GRAD_REGION), None)
         if region is None:
