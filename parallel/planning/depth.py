@@ -33,16 +33,14 @@ never a reason to trace whole: on the planner's cases (the tiny gpt) within
 The blocks are alike when they are one class and hold parameters and buffers
 of the same names, shapes and dtypes, and the same plain settings (ints,
 floats, strings, bools) but those that number the block (Hugging Face's
-`layer_idx`: Note [blocks alike] in parallel/blocks.py). Gemma's alternating
-sliding and full attention differ in a setting, and such a model is traced
-whole. A pipeline is planned by depth per stage: each stage's share of the
-blocks cut to a few, the split the whole model's (Note [stages by depth] in
-parallel/planning/stages_by_depth.py). Planned whole (`traced_whole`): ZeRO-1
-(whole parameters handed to ranks by size), a model with more than one list
-of blocks (an encoder and a decoder), `plan.by_module` (its table names every
-block), and a step whose op calls are replayed on this machine for its time (a
-CPU run, a CUDA run planned on a GPU host: the replay wants every call, and
-those over every parameter differ with the depth).
+`layer_idx`). Gemma's alternating sliding and full attention differ in a
+setting, and such a model is traced whole. Planned whole as well
+(`traced_whole`): a pipeline (its split follows the blocks' weight; a stage
+role per stage), ZeRO-1, a model with more than one list of blocks (an encoder
+and a decoder), `plan.by_module` (its table names every block), and a step
+whose op calls are replayed on this machine for its time (a CPU run, a CUDA
+run planned on a GPU host: the replay wants every call, and those over every
+parameter differ with the depth).
 """
 from __future__ import annotations
 
@@ -53,9 +51,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from parallel.blocks import alike_blocks, cut
+from parallel.blocks import LISTS, repeated_blocks
 from parallel.config import cuda_run
-from parallel.models.build import build_meta_model
 from parallel.planning.allocator import SMALL_SEGMENT
 from parallel.planning.work import Work, comm_bytes_of, step_work_of
 
@@ -67,51 +64,69 @@ DEPTHS = (2, 3, 4)
 
 
 def traced_whole(cfg: "Config", dims: "ParallelDims", by_module: bool) -> bool:
-    """Whether a plan traces every block (Note [planning by depth]): asked to; ZeRO-1 (whole
+    """Whether a plan traces every block (Note [planning by depth]): asked to; a pipeline; ZeRO-1 (whole
     parameters handed to ranks by size: a partition that does not grow block by block); a step whose op calls
     are replayed here, each to the call (a CPU run, or a CUDA one on a GPU host: Note [cost model]), which
     the calls over every parameter (clipping's, a foreach optimizer's) are not at another depth."""
     replayed = not cuda_run(cfg.trainer.device) or torch.cuda.is_available()
-    return by_module or cfg.plan.every_block or getattr(cfg.strategy, "zero", 0) == 1 or replayed
-
-
-def plan_blocks(cfg: "Config", plan_roles) -> list | None:
-    """The plan of every role of a model of blocks alike, from its plans at DEPTHS extended (Note [planning by
-    depth]); None where it has no such blocks or its plans draw no lines. `plan_roles(cfg, make_model)`: a
-    RankPlan per role, each role's model made by `make_model()`."""
-    found = block_list(build_meta_model(cfg.model))
-    if found is None:
-        return None
-    parent, blocks = found
-
-    def cut_to(d: int):
-        def make_model() -> nn.Module:
-            model = build_meta_model(cfg.model)
-            cut(model, parent, d)
-            return model
-        return make_model
-
-    return extend({d: plan_roles(cfg, cut_to(d)) for d in DEPTHS}, len(blocks), parent)
+    return by_module or cfg.plan.every_block or dims.pp > 1 or getattr(cfg.strategy, "zero", 0) == 1 or replayed
 
 
 def block_list(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The name and module of `model`'s one list of blocks alike (Note [blocks alike] in parallel/blocks.py),
-    deeper than the depths traced, or None."""
-    return alike_blocks(model, DEPTHS[-1])
+    """The name and module of `model`'s one list of blocks alike (Note [planning by depth]), or None."""
+    names = repeated_blocks(model)
+    parents = {name.rpartition(".")[0] for name in names}
+    if len(parents) != 1:
+        return None
+    parent = parents.pop()
+    blocks = model.get_submodule(parent)
+    children = list(blocks.children())
+    if len(children) <= DEPTHS[-1]:
+        return None
+    signatures = [_signature(m) for m in children]
+    if len({(kind, tensors) for kind, tensors, _ in signatures}) != 1:
+        return None
+    settings = [dict(s) for _, _, s in signatures]
+    for key in set().union(*settings):
+        values = [s.get(key) for s in settings]
+        if len(set(values)) > 1 and values != list(range(len(children))):  # one that numbers the blocks may differ
+            return None
+    return parent, blocks
 
 
-def extend(plans: dict[int, list], depth: int, parent: str, rename=None) -> list | None:
-    """The plans at `depth` blocks from `plans` (depth -> a RankPlan per role, traced at DEPTHS or at the three
-    deepest depths it holds), each count on the line of its three values; None where one is not (Note [planning
-    by depth]). Their op calls are those on their line (no step of them is replayed here: `traced_whole`).
-    `rename`: a module of the plan at the deepest depth -> its name in the model extended (None: the last
-    block traced is the last block)."""
-    rename = rename or (lambda module: _renamed(module, parent, depth))
-    depths = sorted(plans)[-3:]
-    a, b, c = (plans[d] for d in depths)
+def _signature(block: nn.Module) -> tuple:
+    """What two blocks alike share: class, parameter and buffer shapes, plain settings (Note [planning by depth])."""
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()) + \
+        tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers())
+    settings = tuple(((name, key), value) for name, m in block.named_modules() for key, value in sorted(vars(m).items())
+                     if not key.startswith("_") and isinstance(value, (bool, int, float, str)))
+    return type(block), tensors, settings
+
+
+def cut(model: nn.Module, parent: str, depth: int) -> None:
+    """`model` with its list of blocks `parent` cut to its first `depth` blocks, in place."""
+    owner_name, _, attr = parent.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    blocks = owner.get_submodule(attr)
+    items = list(blocks.named_children())[:depth]
+    if isinstance(blocks, nn.ModuleDict):
+        shorter = nn.ModuleDict(items)
+    elif isinstance(blocks, nn.Sequential):
+        shorter = nn.Sequential(dict(items))
+    else:
+        shorter = nn.ModuleList(m for _, m in items)
+    assert isinstance(blocks, LISTS)
+    setattr(owner, attr, shorter)
+
+
+def extend(plans: dict[int, list], depth: int, parent: str) -> list | None:
+    """The plans at `depth` blocks from `plans` (depth -> a RankPlan per role, traced at DEPTHS), each count on
+    the line of its three values; None where one is not (Note [planning by depth]). Their op calls are those
+    on their line (no step of them is replayed here: `traced_whole`)."""
+    a, b, c = (plans[d] for d in DEPTHS)
     if not len(a) == len(b) == len(c):
         return None
-    out, steps = [], depth - depths[-1]
+    out, steps = [], depth - DEPTHS[-1]
     for pa, pb, pc in zip(a, b, c):
         # the counts as tallied (both steps), exact; what is derived from them is derived again
         tails = [p.tally["work"]["tail"] for p in (pa, pb, pc)]
@@ -129,7 +144,7 @@ def extend(plans: dict[int, list], depth: int, parent: str, rename=None) -> list
             return None
         peak_phase = max(phases, key=lambda name: phases[name]["total"])
         for name, row in phases.items():
-            row["module"] = rename(pc.phases[name]["module"])
+            row["module"] = _renamed(pc.phases[name]["module"], parent, depth)
         peak = phases[peak_phase]
         values = {"tally": tally, "work": step_work_of(Work.of_raw(tally["work"]), buckets), "phases": phases,
                   **{k: peak[k] for k in EXACT if k in peak},

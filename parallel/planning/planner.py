@@ -95,9 +95,8 @@ from parallel.models.build import build_meta_model
 from parallel.planning.allocator import reserved_of
 from parallel.planning.comm import CommBytes
 from parallel.planning.cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
-from parallel.planning.depth import plan_blocks, traced_whole
+from parallel.planning.depth import DEPTHS, block_list, cut, extend, traced_whole
 from parallel.planning.shape_values import ShapeValues
-from parallel.planning.stages_by_depth import plan_stages
 from parallel.planning.standins import CountingIO, DDPStandIn, InlineExecutor
 from parallel.planning.work import Work, comm_bytes_of, step_work_of
 from parallel.runtime import Runtime
@@ -336,10 +335,10 @@ def roles(dims: ParallelDims) -> list[tuple[int, list[int]]]:
 
 
 def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = False,
-              run_dir: str | None = None, make_model=None, data=None) -> RankPlan:
+              run_dir: str | None = None, depth: tuple[str, int] | None = None, data=None) -> RankPlan:
     """One training step of `rank`, under fake tensors and a fake process group (Note [planner]); for a CUDA
-    run, with what CUDA holds besides (Note [planning for CUDA] in parallel/planning/cuda.py). `make_model()`:
-    the model on meta, its blocks cut (Note [planning by depth]); None: the configured one."""
+    run, with what CUDA holds besides (Note [planning for CUDA] in parallel/planning/cuda.py). `depth`: the
+    model's list of blocks and the blocks of it kept (Note [planning by depth])."""
     # The fake backend registers itself on import; it lives in torch's testing package (heavy: only here).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -349,7 +348,9 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
         # Outside the fake mode: the mesh (its setup reads values) and the meta model (moving a model
         # built under the fake mode off meta fails), and the data (it reads values too).
         mesh = dims.build_mesh(device.type)
-        model = build_meta_model(cfg.model) if make_model is None else make_model()
+        model = build_meta_model(cfg.model)
+        if depth is not None:
+            cut(model, *depth)
         batch = batch_mesh(mesh)
         # Synthetic batches of the configured shapes, also for data=shards (whose manifest set them) and
         # data=custom (zeros shaped as its first sample): the plan reads no dataset.
@@ -363,7 +364,7 @@ def plan_rank(cfg: Config, dims: ParallelDims, rank: int, by_module: bool = Fals
                           compile=False,  # planned as the eager run: Note [regional compilation]
                           target=torch.device("cuda") if cuda else None,
                           run_dir=None if run_dir is None else Path(run_dir),  # offload makes its directory there
-                          data=data, reuse_traces=True)  # a split traced once for all roles
+                          data=data)
         settle_autograd_threads()  # before the step's backward on fake tensors: Note [autograd threads and fork]
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         account = CudaAccount(fake, cublas_workspace()[0]) if cuda else None
@@ -479,21 +480,21 @@ def plan(cfg: Config, world_size: int, by_module: bool = False, data=None) -> li
     with contextlib.ExitStack() as stack:
         # Offload makes its (here empty) directory in the run's.
         run_dir = cfg.run_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="plan-"))
-        if not traced_whole(cfg, dims, by_module):  # planned by depth: Note [planning by depth]
-            def plan_roles(c: Config, make_model) -> list[RankPlan]:
-                return _plan_roles(c, dims, run_dir, False, make_model, data)
-            out = plan_stages(cfg, dims, plan_roles, data) if dims.pp > 1 else plan_blocks(cfg, plan_roles)
-            if out is not None:
+        found = None if traced_whole(cfg, dims, by_module) else block_list(build_meta_model(cfg.model))
+        if found is not None:
+            parent, blocks = found
+            at = {d: _plan_roles(cfg, dims, run_dir, False, (parent, d), data) for d in DEPTHS}
+            if (out := extend(at, len(blocks), parent)) is not None:
                 return out
         return _plan_roles(cfg, dims, run_dir, by_module, None, data)
 
 
-def _plan_roles(cfg: Config, dims: ParallelDims, run_dir: str, by_module: bool, make_model=None,
-                data=None) -> list[RankPlan]:
+def _plan_roles(cfg: Config, dims: ParallelDims, run_dir: str, by_module: bool,
+                depth: tuple[str, int] | None, data=None) -> list[RankPlan]:
     out = []
     for i, (rank, same) in enumerate(roles(dims)):
         p = in_own_thread("plan-rank", plan_rank, cfg, dims, rank, by_module=by_module and i == 0,
-                          run_dir=run_dir, make_model=make_model, data=data)
+                          run_dir=run_dir, depth=depth, data=data)
         p.same_as = same
         out.append(p)
     return out

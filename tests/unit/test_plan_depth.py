@@ -6,11 +6,9 @@ import tempfile
 import pytest
 from torch import nn
 
-from parallel.blocks import cut
 from parallel.config import Config
 from parallel.dims import ParallelDims
-from parallel.models.build import build_meta_model
-from parallel.planning import depth, planner, stages_by_depth
+from parallel.planning import depth, planner
 from parallel.planning.allocator import LARGE_SEGMENT
 from parallel.planning.planner import plan
 from parallel.validate import validate
@@ -25,9 +23,9 @@ CASES = {
 }
 
 
-def _cfg(world: int, settings: dict, every_block: bool = False, layers: int = GPT["layers"]) -> Config:
+def _cfg(world: int, settings: dict, every_block: bool = False) -> Config:
     cfg = Config()
-    cfg.model.name, cfg.model.args, cfg.data.task = "gpt", {**GPT, "layers": layers}, "lm"
+    cfg.model.name, cfg.model.args, cfg.data.task = "gpt", dict(GPT), "lm"
     cfg.data.seq_len, cfg.trainer.batch_size = 16, 8
     for key, value in settings.items():
         group, name = key.split(".")
@@ -46,33 +44,19 @@ def test_a_plan_extended_by_depth_is_the_plan_of_every_block(case, monkeypatch):
     if "trainer.device" in settings:
         assert not depth.traced_whole(cfg, dims, by_module=False)
         extended = []
-        real = depth.extend
-        monkeypatch.setattr(depth, "extend", lambda *a, **k: extended.append(real(*a, **k)) or extended[-1])
+        monkeypatch.setattr(planner, "extend", lambda *a: extended.append(depth.extend(*a)) or extended[-1])
         fast = plan(cfg, world)
         assert extended and extended[-1] is fast  # traced at 2, 3 and 4 blocks and extended, not traced whole
     else:
         assert depth.traced_whole(cfg, dims, by_module=False)
         with tempfile.TemporaryDirectory() as run_dir:
-            fast = depth.extend({d: planner._plan_roles(cfg, dims, run_dir, False, _cut(cfg, d))
+            fast = depth.extend({d: planner._plan_roles(cfg, dims, run_dir, False, ("blocks", d))
                                  for d in depth.DEPTHS}, GPT["layers"], "blocks")
-    _same(whole, fast, cuda="trainer.device" in settings)
-
-
-def _cut(cfg: Config, d: int):
-    def make_model():
-        model = build_meta_model(cfg.model)
-        cut(model, "blocks", d)
-        return model
-    return make_model
-
-
-def _same(whole: list, fast: list, cuda: bool) -> None:
-    """The plans extended by depth are the whole trace's, field by field."""
     for a, b in zip(whole, fast, strict=True):
         for f in dataclasses.fields(a):
             if f.name in depth.RESERVED:  # the segments: on their line within 2 x 20 MiB, never under the total
                 assert abs(getattr(b, f.name) - getattr(a, f.name)) <= 2 * LARGE_SEGMENT, f.name
-                assert getattr(b, f.name) >= b.total if cuda else getattr(b, f.name) == 0
+                assert getattr(b, f.name) >= b.total if "trainer.device" in settings else getattr(b, f.name) == 0
             elif f.name not in ("tally", "by_module", "calls"):
                 assert getattr(b, f.name) == getattr(a, f.name), f.name
         # the calls of every depth, each as often as in the whole trace; the rest (over every parameter) is
@@ -81,27 +65,12 @@ def _same(whole: list, fast: list, cuda: bool) -> None:
         assert a.total > 0 and a.work["products"] and b.peak_phase in b.phases
 
 
-def test_zero_1_is_traced_whole():
-    """ZeRO-1's partition of whole parameters (by size, over the ranks) does not grow block by block."""
-    cfg = _cfg(2, {"strategy.name": "data", "strategy.zero": 1, **CUDA})
-    assert depth.traced_whole(cfg, ParallelDims.of(cfg.strategy, 2), by_module=False)
-
-
-def test_a_pipeline_extended_by_depth_is_the_plan_of_every_block(monkeypatch):
-    """Note [stages by depth]: a 12-block gpt over 2 stages of 6 (the embedding on the first, the head on the
-    last) planned with 2 to 5 blocks a stage (the last stage's forward peak moves from its blocks to its head
-    between 2 and 3) and extended gives each rank's bytes, work and collectives of the whole trace, the split
-    the one the whole model balances to, under 1F1B with 4 microbatches."""
-    settings = {"strategy.name": "pipeline", "strategy.pp": 2, "strategy.microbatches": 4, **CUDA}
-    whole = plan(_cfg(2, settings, every_block=True, layers=12), 2)
-    extended = []
-    monkeypatch.setattr(stages_by_depth, "extend", lambda *a, **k: extended.append(depth.extend(*a, **k))
-                        or extended[-1])
-    monkeypatch.setattr(stages_by_depth, "GAINS_FROM", 5)  # 6 blocks a stage, planned by depth all the same
-    fast = plan(_cfg(2, settings, layers=12), 2)
-    assert extended and extended[-1] is fast  # planned by depth, not traced whole
-    _same(whole, fast, cuda=True)
-    assert [p.peak_module for p in fast] == [p.peak_module for p in whole]
+def test_zero_1_and_pipelines_are_traced_whole():
+    """ZeRO-1's partition of whole parameters (by size, over the ranks) and a pipeline's split by the blocks'
+    weight do not grow block by block."""
+    for strategy in ({"strategy.name": "data", "strategy.zero": 1}, {"strategy.name": "pipeline"}):
+        cfg = _cfg(2, {**strategy, **CUDA})
+        assert depth.traced_whole(cfg, ParallelDims.of(cfg.strategy, 2), by_module=False)
 
 
 def test_blocks_that_differ_are_not_alike():
