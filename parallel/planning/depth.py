@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from parallel.blocks import LISTS, repeated_blocks
+from parallel.blocks import alike_blocks
 from parallel.config import cuda_run
 from parallel.planning.allocator import SMALL_SEGMENT
 from parallel.planning.work import Work, comm_bytes_of, step_work_of
@@ -73,50 +73,9 @@ def traced_whole(cfg: "Config", dims: "ParallelDims", by_module: bool) -> bool:
 
 
 def block_list(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The name and module of `model`'s one list of blocks alike (Note [planning by depth]), or None."""
-    names = repeated_blocks(model)
-    parents = {name.rpartition(".")[0] for name in names}
-    if len(parents) != 1:
-        return None
-    parent = parents.pop()
-    blocks = model.get_submodule(parent)
-    children = list(blocks.children())
-    if len(children) <= DEPTHS[-1]:
-        return None
-    signatures = [_signature(m) for m in children]
-    if len({(kind, tensors) for kind, tensors, _ in signatures}) != 1:
-        return None
-    settings = [dict(s) for _, _, s in signatures]
-    for key in set().union(*settings):
-        values = [s.get(key) for s in settings]
-        if len(set(values)) > 1 and values != list(range(len(children))):  # one that numbers the blocks may differ
-            return None
-    return parent, blocks
-
-
-def _signature(block: nn.Module) -> tuple:
-    """What two blocks alike share: class, parameter and buffer shapes, plain settings (Note [planning by depth])."""
-    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()) + \
-        tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers())
-    settings = tuple(((name, key), value) for name, m in block.named_modules() for key, value in sorted(vars(m).items())
-                     if not key.startswith("_") and isinstance(value, (bool, int, float, str)))
-    return type(block), tensors, settings
-
-
-def cut(model: nn.Module, parent: str, depth: int) -> None:
-    """`model` with its list of blocks `parent` cut to its first `depth` blocks, in place."""
-    owner_name, _, attr = parent.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    blocks = owner.get_submodule(attr)
-    items = list(blocks.named_children())[:depth]
-    if isinstance(blocks, nn.ModuleDict):
-        shorter = nn.ModuleDict(items)
-    elif isinstance(blocks, nn.Sequential):
-        shorter = nn.Sequential(dict(items))
-    else:
-        shorter = nn.ModuleList(m for _, m in items)
-    assert isinstance(blocks, LISTS)
-    setattr(owner, attr, shorter)
+    """The name and module of `model`'s one list of blocks alike (Note [blocks alike] in parallel/blocks.py)
+    deeper than the depths traced, or None."""
+    return alike_blocks(model, DEPTHS[-1])
 
 
 def extend(plans: dict[int, list], depth: int, parent: str) -> list | None:

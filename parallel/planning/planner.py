@@ -84,6 +84,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
+from parallel.blocks import cut
 from parallel.config import Config, cuda_run
 from parallel.data import planned_data
 from parallel.dims import ParallelDims, batch_mesh
@@ -95,7 +96,7 @@ from parallel.models.build import build_meta_model
 from parallel.planning.allocator import reserved_of
 from parallel.planning.comm import CommBytes
 from parallel.planning.cuda import BLOCK, CudaAccount, allocated, cublas_workspace, foreach_as_on_cuda
-from parallel.planning.depth import DEPTHS, block_list, cut, extend, traced_whole
+from parallel.planning.depth import DEPTHS, block_list, extend, traced_whole
 from parallel.planning.shape_values import ShapeValues
 from parallel.planning.standins import CountingIO, DDPStandIn, InlineExecutor
 from parallel.planning.work import Work, comm_bytes_of, step_work_of
@@ -195,8 +196,7 @@ class _PeakTracker(LiveTensorBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.wait_tensor.default:
-            # On a real process group waiting returns the collective's own output; the fake kernel
-            # returns a copy, which would count the result twice while both live.
+            # A real group's wait returns the collective's output; the fake one a copy (counted twice).
             return args[0]
         if self.cuda is not None:  # storages resized in place since the last op (FSDP's): Note [caching allocator]
             self.cuda.segments.sync()
