@@ -57,6 +57,8 @@ import weakref
 
 import torch
 
+from parallel.memory.tracker import resizes
+
 BLOCK = 512  # every request rounded up to a multiple of it (kMinBlockSize)
 SMALL = 1 << 20  # the largest request of the small pool (kSmallSize)
 SMALL_SEGMENT = 2 << 20  # the small pool's segments, and expandable pages (kSmallBuffer)
@@ -208,6 +210,7 @@ class AllocatorFeed:
     def __init__(self):
         self.allocators = (CachingAllocator(), CachingAllocator(expandable=True))
         self._live: dict[int, list] = {}  # id(storage) -> [weakref, bytes, blocks]
+        self._seen = -1  # resizes() at the last look
 
     def add(self, t: torch.Tensor) -> None:
         """A storage of `t` the step made (or held at its start), requested now unless already fed."""
@@ -227,7 +230,12 @@ class AllocatorFeed:
         self._live[key] = rec
 
     def sync(self) -> None:
-        """Storages resized in place since the last look: a free of the old size, a request of the new."""
+        """Storages resized in place since the last look: a free of the old size, a request of the new (each
+        size reread only when some storage was resized: Note [storages resized in place] in
+        parallel/memory/tracker.py)."""
+        if self._seen == resizes():
+            return
+        self._seen = resizes()
         for rec in list(self._live.values()):
             st = rec[0]()
             if st is not None and st.nbytes() != rec[1]:

@@ -243,7 +243,7 @@ class _PeakTracker(LiveTensorBytes):
         workspaces = self._storages(self.cuda.workspaces.values()) if self.cuda is not None else set()
         kinds = dict.fromkeys(KINDS, 0)
         raw, held = 0, 0
-        for key, ref in self._refs.items():
+        for key, ref in list(self._refs.items()):  # a storage dying meanwhile (a weakref's callback) is fine
             st = ref()
             if st is None:
                 continue

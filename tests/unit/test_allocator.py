@@ -4,6 +4,7 @@ import gc
 
 import torch
 
+from parallel.memory.tracker import resizes_watched
 from parallel.planning.allocator import AllocatorFeed, CachingAllocator, segment_size
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -75,11 +76,12 @@ def test_the_feed_frees_a_storage_when_it_dies_and_follows_resizes():
     feed.add(t)
     feed.add(t[1:])  # the same storage: no second request
     assert (default.allocated, default.reserved, expandable.reserved) == (3 * MiB, 20 * MiB, 20 * MiB)
-    t.untyped_storage().resize_(0)  # as FSDP2 frees a gathered parameter
-    feed.sync()
-    assert default.allocated == 0
-    t.untyped_storage().resize_(21 * MiB)  # and gathers it again: the cached 20 MiB does not fit; a 22 MiB
-    feed.sync()  # segment, its 1 MiB rest not split off (> 1 MiB splits): the block is handed out whole
+    with resizes_watched():  # as while a tracker is active (Note [storages resized in place])
+        t.untyped_storage().resize_(0)  # as FSDP2 frees a gathered parameter
+        feed.sync()
+        assert default.allocated == 0
+        t.untyped_storage().resize_(21 * MiB)  # and gathers it again: the cached 20 MiB does not fit; a 22 MiB
+        feed.sync()  # segment, its 1 MiB rest not split off (> 1 MiB splits): the block is handed out whole
     assert (default.allocated, default.reserved, expandable.reserved) == (22 * MiB, 42 * MiB, 40 * MiB)
     del t
     gc.collect()

@@ -88,6 +88,14 @@ def test_tracker_sees_storage_resize():
         t.untyped_storage().resize_(0)
         _ = torch.ones(100)
     assert tracker.current == 400 and tracker.peak == 4000
+    out = torch.empty(0)
+    tracker.track([out])
+    with tracker:  # an op that resizes its out= argument (Note [storages resized in place])
+        torch.add(torch.ones(10), 1, out=out)
+        assert tracker.current == 400 + 40
+    t.untyped_storage().resize_(4000)  # resized while no tracker watched: the next look rereads every size
+    with tracker:
+        assert tracker.current == 4000 + 400 + 40  # t, the ones above (still held by `_`), out
 
 
 def test_clipping_scales_the_gradients_to_the_max_norm():
