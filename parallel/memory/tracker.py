@@ -6,7 +6,6 @@ microbatches). The total is all the trainer needs, so this counts storages only.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Iterable
 
@@ -14,64 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from parallel.resizes import RESIZES, counted_after, watch_resizes
 from parallel.tensors import plain_tensors, rank_optimizer
-
-# Note [storages resized in place]
-# A storage's bytes change after it is made in two ways: an op that resizes
-# its output or argument (`out=` ops, `resize_`, the storage-bytes resize a
-# compiled FSDP makes), seen by a tracker as it dispatches, and a direct
-# `UntypedStorage.resize_` (how FSDP2 frees its gathered parameters and regrows
-# them, between ops, outside any dispatch). While a tracker is active the
-# latter is wrapped (`_resized_in_place`) to count it. Counters keep their
-# totals as storages are made and die (a weakref's callback) and reread every
-# size only when the count of resizes moved since they last looked: a scan of
-# every live storage per op was a fifth of a plan's time.
-_RESIZES = [0]  # storages resized in place so far (the count, not which)
-_ACTIVE = [0]  # trackers active: the storage method is wrapped while any is
-_RESIZE = torch.UntypedStorage.resize_
-_MAY_RESIZE: dict = {}  # op -> whether it can change a storage's size
-
-
-def resizes() -> int:
-    """How many times a storage was resized in place (Note [storages resized in place]); compare two reads."""
-    return _RESIZES[0]
-
-
-def _resized_in_place(storage, size):
-    out = _RESIZE(storage, size)
-    _RESIZES[0] += 1
-    return out
-
-
-@contextlib.contextmanager
-def resizes_watched():
-    """Within: `UntypedStorage.resize_` counted by `resizes()` (every active tracker holds this)."""
-    _watch_resizes(True)
-    try:
-        yield
-    finally:
-        _watch_resizes(False)
-
-
-def _watch_resizes(on: bool) -> None:
-    _ACTIVE[0] += 1 if on else -1
-    torch.UntypedStorage.resize_ = _resized_in_place if _ACTIVE[0] > 0 else _RESIZE
-    _RESIZES[0] += 1  # resizes while nobody watched are not known: each counter rereads once
-
-
-def may_resize(func) -> bool:
-    """Whether op `func` can change a storage's size: it writes an `out=` argument, or it resizes."""
-    known = _MAY_RESIZE.get(func)
-    if known is None:
-        schema = func._schema
-        known = _MAY_RESIZE[func] = "resize" in schema.name or any(a.is_out for a in schema.arguments)
-    return known
-
-
-def counted_after(func) -> None:
-    """Note that op `func` ran: if it can resize storages, every counter rereads their sizes."""
-    if may_resize(func):
-        _RESIZES[0] += 1
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -81,7 +24,7 @@ class LiveTensorBytes(TorchDispatchMode):
     (parameters, gradients, optimizer state); every storage an op creates inside
     the context is counted while it lives, each at its current size, so storages
     that FSDP frees and regrows in place (`resize_`) count only while they hold
-    memory (Note [storages resized in place]).
+    memory (Note [storages resized in place] in parallel/resizes.py).
 
     `block`: each storage counts as its bytes rounded up to a multiple of it (1: as they are; the planner's
     CUDA plans pass the caching allocator's 512, Note [planning for CUDA] in parallel/planning/cuda.py).
@@ -98,14 +41,14 @@ class LiveTensorBytes(TorchDispatchMode):
         self._seen = -1  # resizes() when the sizes were last read
 
     def __enter__(self):
-        _watch_resizes(True)
+        watch_resizes(True)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            _watch_resizes(False)
+            watch_resizes(False)
 
     def size(self, storage) -> int:
         """The bytes `storage` counts for: its size, rounded up to a multiple of `block`."""
@@ -143,8 +86,8 @@ class LiveTensorBytes(TorchDispatchMode):
 
     @property
     def current(self) -> int:
-        if self._seen != _RESIZES[0]:  # some storage was resized in place: reread every size
-            self._seen = _RESIZES[0]
+        if self._seen != RESIZES[0]:  # some storage was resized in place: reread every size
+            self._seen = RESIZES[0]
             total, block = 0, self.block
             for key, ref in list(self._refs.items()):
                 st = ref()

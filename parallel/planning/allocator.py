@@ -57,7 +57,7 @@ import weakref
 
 import torch
 
-from parallel.memory.tracker import resizes
+from parallel.resizes import resizes
 
 BLOCK = 512  # every request rounded up to a multiple of it (kMinBlockSize)
 SMALL = 1 << 20  # the largest request of the small pool (kSmallSize)
@@ -231,8 +231,7 @@ class AllocatorFeed:
 
     def sync(self) -> None:
         """Storages resized in place since the last look: a free of the old size, a request of the new (each
-        size reread only when some storage was resized: Note [storages resized in place] in
-        parallel/memory/tracker.py)."""
+        size reread only when some storage was resized: Note [storages resized in place] in parallel/resizes.py)."""
         if self._seen == resizes():
             return
         self._seen = resizes()

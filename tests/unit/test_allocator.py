@@ -4,8 +4,8 @@ import gc
 
 import torch
 
-from parallel.memory.tracker import resizes_watched
 from parallel.planning.allocator import AllocatorFeed, CachingAllocator, segment_size
+from parallel.resizes import resizes_watched
 
 KiB, MiB = 1 << 10, 1 << 20
 
