@@ -88,13 +88,13 @@ class LiveTensorBytes(TorchDispatchMode):
     def current(self) -> int:
         if self._seen != RESIZES[0]:  # some storage was resized in place: reread every size
             self._seen = RESIZES[0]
-            total, block = 0, self.block
+            block = self.block
             for key, ref in list(self._refs.items()):
                 st = ref()
-                if st is not None:
-                    n = self._sizes[key] = -(-st.nbytes() // block) * block
-                    total += n
-            self._total = total
+                if st is not None and key in self._sizes:
+                    self._sizes[key] = -(-st.nbytes() // block) * block
+            st = None  # a storage that died meanwhile left _sizes by its callback: the sum is of the live ones
+            self._total = sum(self._sizes.values())
         return self._total
 
     def _update(self) -> None:
