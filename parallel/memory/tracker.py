@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from parallel.resizes import RESIZES, counted_after, watch_resizes
+from parallel.resizes import counted_after, resizes, watch_resizes
 from parallel.tensors import plain_tensors, rank_optimizer
 
 
@@ -86,8 +86,8 @@ class LiveTensorBytes(TorchDispatchMode):
 
     @property
     def current(self) -> int:
-        if self._seen != RESIZES[0]:  # some storage was resized in place: reread every size
-            self._seen = RESIZES[0]
+        if self._seen != resizes():  # some storage was resized in place: reread every size
+            self._seen = resizes()
             block = self.block
             for key, ref in list(self._refs.items()):
                 st = ref()
