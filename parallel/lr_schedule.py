@@ -96,11 +96,11 @@ def check_schedule(cfg: Config) -> None:
         fail("optim.scheduler.args", dict(o.scheduler.args), f"{cls.__name__} refused them: {e}")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> LRScheduler:
-    """optim.schedule (Note [lr schedule]), or optim.scheduler._target_ built as `cls(optimizer, **args)`."""
-    o = cfg.optim
+def build_scheduler(optimizer: torch.optim.Optimizer, o: OptimConfig, steps: int) -> LRScheduler:
+    """optim.schedule over a run of `steps` (trainer.steps; Note [lr schedule]), or optim.scheduler._target_
+    built as `cls(optimizer, **args)`."""
     if o.scheduler._target_ is None:
-        return LambdaLR(optimizer, _factor(o, cfg.trainer.steps))
+        return LambdaLR(optimizer, _factor(o, steps))
     return scheduler_class(o)(optimizer, **o.scheduler.args)
 
 

@@ -160,18 +160,17 @@ def param_names(modules: list[nn.Module], canonical: dict[str, str]) -> dict[int
     return {id(p): canonical.get(fqn, fqn) for m in modules for fqn, p in m.named_parameters()}
 
 
-def build_optimizer(model: nn.Module, names: dict[int, str], cfg: Config,
+def build_optimizer(model: nn.Module, names: dict[int, str], o: OptimConfig,
                     sharding: StateSharding | None = None) -> torch.optim.Optimizer:
     """The configured optimizer over the trainable parameters, its state sharded when the strategy asks.
 
     Args:
         model: the parallelized model.
         names: id(parameter) -> unpartitioned name (`param_names`), for the groups.
-        cfg: the run config (optim.*).
+        o: the optim group (its class, arguments, lr scales and weight decay exclusions).
         sharding: the engine's `state_sharding` (ZeRO 1, Note [ZeRO 1]); None: every rank keeps its
             parameters' whole state.
     """
-    o = cfg.optim
     cls = optimizer_class(o)
     kwargs = optimizer_kwargs(o, cls)
     params = [p for p in model.parameters() if p.requires_grad]

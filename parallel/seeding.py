@@ -1,4 +1,5 @@
-"""The random numbers a run draws while it trains (dropout, random masking, noise), on every rank.
+"""The seeds of the run's named random streams (`name_seed`), and the random numbers a run draws while it trains
+(dropout, random masking, noise), on every rank.
 
 # Note [random numbers]
 Initial values and data never use the global generators (each tensor's and
@@ -44,12 +45,18 @@ steps, and a checkpoint holds every rank's generator states
 """
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
 import torch
 
-from parallel.init.by_name import name_seed
+
+def name_seed(seed: int, fqn: str) -> int:
+    """A stable 63-bit seed from (seed, name), the seed of every named random stream (a tensor's initial value,
+    a step's batch, a rank's training stream); Python's hash() is salted per process."""
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def stream_seed(seed: int, dp_rank: int, pp_rank: int) -> int:

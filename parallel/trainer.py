@@ -101,21 +101,21 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     names = param_names(engine.state_modules(), {name: entry.canonical for name, entry in plan.items()})
     own = own_optimizer(engine)
     optimizer = own.make_optimizer(names) if own is not None else \
-        build_optimizer(engine.model, names, cfg, engine.state_sharding)
+        build_optimizer(engine.model, names, cfg.optim, engine.state_sharding)
     # Each dp x ep rank reads its share of the global batch; cp ranks read the same samples (Note [mesh
     # dimensions] in parallel/dims.py).
     batch = batch_mesh(mesh)
     dp_rank, dp_size = batch.get_local_rank(), batch.size()
     if data is None:
         data = build_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size, spec=runtime.data)
+    eval_data = build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size) \
+        if cfg.trainer.eval_every else None
     # The loss lives where the engine computes it; one such rank logs (dp, ep, cp and tp rank 0).
     is_logger = engine.holds_loss and dp_rank == 0 and all(mesh[k].get_local_rank() == 0 for k in ("cp", "tp"))
     rng_seed = stream_seed(cfg.trainer.seed, dp_rank, mesh["pp"].get_local_rank())
-    eval_data = build_eval_data(cfg.data, cfg.trainer.seed, cfg.trainer.batch_size, dp_rank, dp_size) \
-        if cfg.trainer.eval_every else None
     clock = CompileClock() if compiling(cfg, runtime) else None  # blocks compile at the first step, not here
     tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
-    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg), data, runtime.device, is_logger, plan,
+    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg.optim, cfg.trainer.steps), data, runtime.device, is_logger, plan,
                rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock, ahead=looks_ahead(engine),
                tp_group=tp_group, data_spec=runtime.data)
 

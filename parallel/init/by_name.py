@@ -17,7 +17,6 @@ construction order); `model.init=module` (parallel.init.values) gives those.
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from typing import Callable
 
@@ -25,12 +24,7 @@ import torch
 from torch import nn
 
 from parallel.aux_weight import is_aux_weight
-
-
-def name_seed(seed: int, fqn: str) -> int:
-    """A stable 63-bit seed from (seed, name); Python's hash() is salted per process."""
-    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+from parallel.seeding import name_seed
 
 
 def fill_own_kinds(model: nn.Module, seed: int) -> None:

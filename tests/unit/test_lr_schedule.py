@@ -45,7 +45,7 @@ def test_built_in_schedule_scales_every_group():
     cfg.optim = optim(schedule="linear", lr=0.1, min_lr_ratio=0.0)
     cfg.trainer.steps = 4
     opt = sgd_groups()
-    sched = build_scheduler(opt, cfg)
+    sched = build_scheduler(opt, cfg.optim, cfg.trainer.steps)
     seen = []
     for _ in range(4):
         seen += [g["lr"] for g in opt.param_groups]
@@ -61,7 +61,7 @@ def test_scheduler_class_from_config():
     cfg.optim.scheduler.args = {"step_size": 2, "gamma": 0.5}
     check_schedule(cfg)
     opt = sgd_groups()
-    sched = build_scheduler(opt, cfg)
+    sched = build_scheduler(opt, cfg.optim, cfg.trainer.steps)
     lrs = []
     for _ in range(5):
         lrs.append(opt.param_groups[0]["lr"])
@@ -75,14 +75,14 @@ def test_resume_computes_the_built_in_schedule_for_the_new_length():
     cfg.optim = optim(schedule="cosine", lr=0.1)
     cfg.trainer.steps = 10
     opt = sgd_groups()
-    sched = build_scheduler(opt, cfg)
+    sched = build_scheduler(opt, cfg.optim, cfg.trainer.steps)
     for _ in range(4):
         opt.step()
         sched.step()
     state = sched.state_dict()
     cfg.trainer.steps = 20  # extended on resume
     opt2 = sgd_groups()
-    sched2 = build_scheduler(opt2, cfg)
+    sched2 = build_scheduler(opt2, cfg.optim, cfg.trainer.steps)
     restore_scheduler(sched2, opt2, state)
     want = lr_factor(cfg.optim, 20, 4)
     assert [g["lr"] for g in opt2.param_groups] == pytest.approx([0.1 * want, 0.05 * want])
@@ -96,12 +96,12 @@ def test_scheduler_class_state_follows_this_ranks_groups():
     cfg.optim.scheduler._target_ = "torch.optim.lr_scheduler.StepLR"
     cfg.optim.scheduler.args = {"step_size": 1, "gamma": 0.5}
     saved = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    sched = build_scheduler(saved, cfg)
+    sched = build_scheduler(saved, cfg.optim, cfg.trainer.steps)
     for _ in range(2):
         saved.step()
         sched.step()
     opt = sgd_groups()
-    restore_scheduler(build_scheduler(opt, cfg), opt, sched.state_dict())
+    restore_scheduler(build_scheduler(opt, cfg.optim, cfg.trainer.steps), opt, sched.state_dict())
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.025, 0.0125])
 
 
@@ -133,7 +133,7 @@ def test_a_class_that_cycles_momentum_resumes_it():
 
     def make():
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
-        return opt, build_scheduler(opt, cfg)
+        return opt, build_scheduler(opt, cfg.optim, cfg.trainer.steps)
 
     opt, sched = make()
     for _ in range(3):

@@ -54,7 +54,7 @@ def test_groups_by_name_pattern():
     cfg.optim.no_decay, cfg.optim.lr_scale = ["bias", "norm.*"], ["head.*:0.5"]
     model = Net()
     names = {id(p): n for n, p in model.named_parameters()}
-    opt = build_optimizer(model, names, cfg)
+    opt = build_optimizer(model, names, cfg.optim)
     got = {names[id(p)]: (g["lr"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
     assert got == {"inp.weight": (0.1, 0.01), "inp.bias": (0.1, 0.0), "norm.weight": (0.1, 0.0),
                    "norm.bias": (0.1, 0.0), "head.weight": (0.05, 0.01), "head.bias": (0.05, 0.0)}
@@ -62,7 +62,7 @@ def test_groups_by_name_pattern():
 
 def test_default_is_adamw_in_one_group():
     model = Net()
-    opt = build_optimizer(model, {}, Config())
+    opt = build_optimizer(model, {}, Config().optim)
     assert type(opt) is torch.optim.AdamW and len(opt.param_groups) == 1
     assert opt.param_groups[0]["params"] == list(model.parameters())
 
@@ -79,12 +79,12 @@ def test_state_made_before_the_first_step_is_the_optimizers_own_layout(target, a
     torch.manual_seed(0)
     model = Net()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = build_optimizer(model, {}, cfg)
+    opt = build_optimizer(model, {}, cfg.optim)
     made = param_state(opt, list(model.parameters()))
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
     twin = Net()
-    real = build_optimizer(twin, {}, cfg)
+    real = build_optimizer(twin, {}, cfg.optim)
     for p in twin.parameters():
         p.grad = torch.ones_like(p)
     real.step()
@@ -140,7 +140,7 @@ def test_a_users_optimizer_class_with_its_arguments():
     check_optimizer(cfg, Net())
     model = Net()
     names = {id(p): n for n, p in model.named_parameters()}
-    opt = build_optimizer(model, names, cfg)
+    opt = build_optimizer(model, names, cfg.optim)
     assert type(opt) is SignSGD and {g["scale"] for g in opt.param_groups} == {2.0}
     cfg.optim.args = {"scael": 2.0}
     with pytest.raises(ConfigError, match=r"optim\.args.*scael.*valid: \['scale'\]"):
