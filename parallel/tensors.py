@@ -96,10 +96,16 @@ def local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_WRAPPER_TYPES: dict[type, bool] = {}  # type -> whether it is a traceable wrapper subclass (a property of the class)
+
+
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold `t`'s memory. A wrapper subclass (DTensor, the async result of a functional
     collective) owns a storage of its full size that holds nothing: what it wraps holds the memory."""
-    if not is_traceable_wrapper_subclass(t):
+    wrapper = _WRAPPER_TYPES.get(type(t))
+    if wrapper is None:  # asked once per class: the planner asks of every tensor an op makes
+        wrapper = _WRAPPER_TYPES[type(t)] = is_traceable_wrapper_subclass(t)
+    if not wrapper:
         return [t]
     names, _ = t.__tensor_flatten__()
     inner = (getattr(t, name) for name in names)

@@ -63,7 +63,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self._update()
 
     def _add(self, t: torch.Tensor) -> None:
-        if t.device.type != self.device_type or t.is_meta:
+        # the device alone: `t.is_meta` of a fake tensor dispatches an op (prim.device) through every active mode
+        if t.device.type != self.device_type:
             return
         try:
             st = t.untyped_storage()

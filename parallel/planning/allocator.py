@@ -214,7 +214,7 @@ class AllocatorFeed:
 
     def add(self, t: torch.Tensor) -> None:
         """A storage of `t` the step made (or held at its start), requested now unless already fed."""
-        if t.is_meta:
+        if t.device.type == "meta":  # not `t.is_meta`: on a fake tensor it dispatches an op through every mode
             return
         try:
             st = t.untyped_storage()

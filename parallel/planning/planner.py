@@ -234,8 +234,8 @@ class _PeakTracker(LiveTensorBytes):
 
     def _sort(self) -> tuple[dict[str, int], int, int]:
         """The live storages' bytes by kind, their bytes unrounded, the cuBLAS workspaces' bytes."""
-        params = self._storages(self.model.parameters())
-        grads = self._storages(p.grad for p in self.model.parameters() if p.grad is not None)
+        params = self._storages(weights := list(self.model.parameters()))
+        grads = self._storages(p.grad for p in weights if p.grad is not None)
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
         opt = self._storages(t for s in optimizer.state.values() for t in s.values())
         own = own_optimizer(self.engine)

@@ -45,8 +45,11 @@ class ShapeValues(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self._real[id(t)] = t
             return out
+        known = [t for t in tensors if self._known(t)]
+        if not known:  # the common case: nothing computed for real among the inputs, passed on as they are
+            return func(*args, **kwargs)
         if func._schema.is_mutable:
-            for t in tensors:  # written with unknown values: the fake mode's copy of it is the one to trust
+            for t in known:  # written with unknown values: the fake mode's copy of it is the one to trust
                 self._real.pop(id(t), None)
         args, kwargs = tree_map_only(torch.Tensor, self._fake, (args, kwargs))
         return func(*args, **kwargs)
