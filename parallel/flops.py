@@ -53,6 +53,9 @@ def _grouped_mm(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
 
 # Ops torch's table leaves out (torch 2.11-2.15): the CPU's attention kernels and the grouped product.
 _EXTRA = {**_CPU_ATTENTION, aten._grouped_mm: _grouped_mm}
+# Dispatched but no operator of the step: a fake tensor's device query (autograd's engine and many ops ask it of a
+# tensor subclass; of a real tensor nothing is dispatched), a profiler's range.
+NOT_OPS = ("prim", "profiler")
 
 
 def formula(func):
@@ -81,7 +84,8 @@ class Flops(TorchDispatchMode):
     """FLOPs of the ops run while active, by torch's own per-op formulas (torch.utils.flop_counter, and
     `formula`'s for the CPU's attention), and how many ops ran. FlopCounterMode itself also attributes FLOPs to
     modules through autograd hooks on their outputs, and those hooks keep tensors alive in checkpointed blocks:
-    they would change the memory being planned (and they cost time)."""
+    they would change the memory being planned (and they cost time). `ops` leaves out what is dispatched but
+    runs no operator (NOT_OPS)."""
 
     def __init__(self):
         super().__init__()
@@ -90,7 +94,7 @@ class Flops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops += 1
+        self.ops += func.namespace not in NOT_OPS
         f = formula(func)
         if f is not None:
             a, k, o, _ = local_call(args, kwargs, out)

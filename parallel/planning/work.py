@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from parallel.flops import formula, local_call
+from parallel.flops import NOT_OPS, formula, local_call
 from parallel.planning.comm import _INPUTS, _NOT_SENT, _group, _kind, ring_all_reduce_bytes
 
 SIZES = tuple(2 ** i for i in range(4, 13))  # the product size classes: 16 .. 4096
@@ -152,7 +152,7 @@ class Work(TorchDispatchMode):
         result = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(func, args, kwargs)
-        elif func.namespace not in ("prim", "profiler"):  # a fake tensor's device query, a profiler's range
+        elif func.namespace not in NOT_OPS:
             self._op(func, *local_call(args, kwargs, result))
         return result
 

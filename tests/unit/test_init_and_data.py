@@ -98,6 +98,38 @@ def test_tracker_sees_storage_resize():
         assert tracker.current == 4000 + 400 + 40  # t, the ones above (still held by `_`), out
 
 
+class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op dispatched through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_counting_fake_tensors_dispatches_nothing_of_its_own():
+    """The tracker and the planner's allocator feed read each tensor an op makes without dispatching anything
+    (a fake tensor's `is_meta` runs prim.device through every mode below them, each op's tensors once more),
+    and the FLOP counter's op count leaves such queries out."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from parallel.flops import Flops
+    from parallel.planning.allocator import AllocatorFeed
+
+    with FakeTensorMode():
+        x = torch.ones(8, 8)
+    seen, flops, feed = _Seen(), Flops(), AllocatorFeed()
+    with FakeTensorMode(allow_non_fake_inputs=True), seen, flops, LiveTensorBytes("cpu") as tracker:
+        y = x @ x + 1
+        feed.add(y)
+        assert x.is_meta is False  # a query of the test's own: dispatched, and no op of the step
+    assert seen.ops == ["aten.mm.default", "aten.add.Tensor", "prim.device.default"]
+    assert flops.ops == 2 and (tracker.current, tracker.peak) == (8 * 8 * 4, 2 * 8 * 8 * 4)
+
+
 def test_clipping_scales_the_gradients_to_the_max_norm():
     from parallel.optim import clip_grads
 
