@@ -38,7 +38,7 @@ from parallel.seeding import seed_all, stream_seed
 from parallel.strategies import parallelize
 from parallel.strategies.compile import CompileClock, compiling
 from parallel.strategies.tensor.whole import describe, unequal_gradients
-from parallel.tensors import local_bytes
+from parallel.tensors import local_bytes, rank_optimizer
 from parallel.throughput import Throughput, postfix, text
 
 
@@ -362,8 +362,7 @@ def save_final(engine: Engine, path: Path) -> None:
 def state_record(run: Run) -> dict:
     """Bytes of this rank's own pieces of the weights and of the optimizer state, every rank's (gathered)."""
     params = {id(p): p for p in run.engine.model.parameters()}  # a weight shared by two modules counts once
-    optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeroRedundancyOptimizer: the local one
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    state = [t for s in rank_optimizer(run.optimizer).state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"param_bytes_per_rank": gather_ints(sum(local_bytes(p) for p in params.values())),
             "optim_state_bytes_per_rank": gather_ints(sum(local_bytes(t) for t in state))}
 

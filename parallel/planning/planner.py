@@ -175,6 +175,7 @@ class _PeakTracker(LiveTensorBytes):
         self.watch: list[list[int]] = []  # [the most live since it began] per running module (forward)
         # phase -> the most live in it: {"peak", "kinds", "raw", "workspaces", "module"} (Note [planning by depth])
         self.phases: dict[str, dict] = {}
+        self._holders = list(model.modules())  # whose parameter tables `_sort` reads
 
     def _update(self) -> None:
         current = self.current
@@ -234,21 +235,20 @@ class _PeakTracker(LiveTensorBytes):
 
     def _sort(self) -> tuple[dict[str, int], int, int]:
         """The live storages' bytes by kind, their bytes unrounded, the cuBLAS workspaces' bytes."""
-        params = self._storages(weights := list(self.model.parameters()))
+        weights = [p for m in self._holders for p in m._parameters.values() if p is not None]  # FSDP2 swaps them
+        params = self._storages(weights)
         grads = self._storages(p.grad for p in weights if p.grad is not None)
-        optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local one
-        opt = self._storages(t for s in optimizer.state.values() for t in s.values())
+        opt = self._storages(t for s in rank_optimizer(self.optimizer).state.values() for t in s.values())
         own = own_optimizer(self.engine)
         opt |= self._storages(own.optimizer_tensors() if own is not None else [])
         workspaces = self._storages(self.cuda.workspaces.values()) if self.cuda is not None else set()
-        kinds = dict.fromkeys(KINDS, 0)
-        raw, held = 0, 0
+        kinds, raw, held, sizes, whole = dict.fromkeys(KINDS, 0), 0, 0, self._sizes, self.block == 1
         for key, ref in list(self._refs.items()):  # a storage dying meanwhile (a weakref's callback) is fine
             st = ref()
             if st is None:
                 continue
-            n = self.size(st)
-            raw += st.nbytes()
+            n = sizes[key]  # as `current` read it just now
+            raw += n if whole else st.nbytes()
             held += n if key in workspaces else 0
             if key in params:
                 kinds["params"] += n
