@@ -104,8 +104,9 @@ class StrategyConfig(StrategyBase):
     optimizer: str = "auto"
     activations: str = "device"
     # strategy.activations=selective: "op" (the matrix products' and attention's outputs saved in every block,
-    # the rest recomputed) or a positive integer N (every N-th block recomputed whole; Note [selective
-    # recomputation] in parallel/strategies/recompute.py).
+    # the rest recomputed), "op_alternate" (the same, every second product recomputed: torchtitan's op policy)
+    # or a positive integer N (every N-th block recomputed whole; Note [selective recomputation] in
+    # parallel/strategies/recompute.py).
     selective: str = "op"
     # Directory for the disk tier; None: <run_dir>/offload. Removed at the end.
     path: Optional[str] = None

@@ -102,9 +102,9 @@ def check_compile(cfg: Config, model: nn.Module) -> None:
              [f"strategy={name}" for name, spec in SPECS.items() if spec.compiles] + ["trainer.compile=false"])
     how = recomputation(cfg.strategy)
     if how is not None and how.ops:
-        fail("trainer.compile", True, "strategy.selective=op keeps the products' outputs from the eager dispatch "
-             "around each block, and a compiled block writes its products into buffers it reuses, which torch "
-             "refuses in backward (Note [selective recomputation])",
+        fail("trainer.compile", True, f"strategy.selective={cfg.strategy.selective} keeps the products' outputs "
+             "from the eager dispatch around each block, and a compiled block writes its products into buffers it "
+             "reuses, which torch refuses in backward (Note [selective recomputation])",
              ["trainer.compile=false", "strategy.selective=N (every N-th block recomputed whole)",
               "strategy.activations=checkpoint"])
     blocks = repeated_blocks(model)

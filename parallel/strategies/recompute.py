@@ -26,6 +26,14 @@ all blocks' to about one block's, for about one more forward pass of compute.
          before the attention's output projection); a block that is one
          product and one activation (the mlp's Linear + GELU) keeps as much as
          without recomputation.
+    op_alternate
+         as `op`, but every second matrix product a block runs (its 2nd, 4th,
+         ...; counted again from 1 in each block's forward and in its
+         recomputation) is recomputed rather than saved: the policy
+         torchtitan's `selective_ac_option = "op"` runs, with which its
+         published Llama 3.1 runs were trained. About half the products'
+         outputs leave the saved activations, for recomputing those products
+         (roughly a sixth more of the block's forward FLOPs in a Llama block).
     N    (a positive integer) blocks 0, N, 2N, ... of the model's repeated blocks
          (in forward order, counted over the whole model, a pipeline stage
          taking those it holds) are checkpointed whole; the others keep their
@@ -46,11 +54,12 @@ backward (its pre-backward hook, in bf16 its input casts) that forward opened
 outside the block, so under `op` profiler ranges run outside the checkpoint's
 modes (`_RangesOutside`): they hold no tensor and change nothing recomputed.
 
-Expert parallelism (ep > 1) takes `selective=N` and not `op`: the experts' own
+Expert parallelism (ep > 1) takes `selective=N` and not `op` (nor `op_alternate`): the experts' own
 data-parallel units sit inside each block, and their FSDP hooks do not repeat
 in recomputation the ops they ran in forward (a profiler range, a gather),
 which torch's selective checkpoint matches op by op ("... encountered during
-backward but not found in storage"). `trainer.compile=true` takes `selective=N` and not `op` (Note [regional compilation] in
+backward but not found in storage"). `trainer.compile=true` takes `selective=N`
+and not `op` or `op_alternate` (Note [regional compilation] in
 parallel/strategies/compile.py).
 
 The planner counts what this keeps and recomputes without a rule of its own: the
@@ -88,6 +97,7 @@ from parallel.tensors import as_call
 
 ACTIVATIONS = ("device", "checkpoint", "selective")  # strategy.activations outside offload
 OP = "op"  # strategy.selective: the op-level policy
+ALTERNATE = "op_alternate"  # the same, every second product recomputed
 
 # Note [selective recomputation]: the ops whose outputs `op` saves (overload packets: every overload of each).
 SAVED = {getattr(torch.ops.aten, name) for name in (
@@ -95,6 +105,7 @@ SAVED = {getattr(torch.ops.aten, name) for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable")
     if hasattr(torch.ops.aten, name)}  # a torch release without one of them (the grouped mm) runs none
+PRODUCTS = {p for p in SAVED if "attention" not in p.__name__}  # what op_alternate counts
 
 
 @dataclass(frozen=True)
@@ -103,10 +114,11 @@ class Recompute:
 
     every: int = 1  # blocks 0, every, 2 x every, ... are checkpointed
     ops: bool = False  # inside them, the products' and attention's outputs are saved, the rest recomputed
+    alternate: bool = False  # with `ops`: every second product recomputed too (op_alternate)
 
     def contexts(self, block: nn.Module):
         """`context_fn` of the checkpoint of `block`."""
-        return products_saved(block) if self.ops else recompute_contexts(block)
+        return products_saved(block, self.alternate) if self.ops else recompute_contexts(block)
 
 
 def recomputation(s: StrategyConfig) -> Recompute | None:
@@ -114,7 +126,9 @@ def recomputation(s: StrategyConfig) -> Recompute | None:
     if s.activations == "checkpoint":
         return Recompute()
     if s.activations == "selective":
-        return Recompute(ops=True) if s.selective == OP else Recompute(every=int(s.selective))
+        if s.selective in (OP, ALTERNATE):
+            return Recompute(ops=True, alternate=s.selective == ALTERNATE)
+        return Recompute(every=int(s.selective))
     return None
 
 
@@ -139,9 +153,10 @@ def check_recompute(s: StrategyConfig, offloads: bool) -> None:
              f"recomputes them (per block, or selectively); the tiers below the device are {tiers}",
              list(ACTIVATIONS))
     value = str(s.selective)
-    if value != OP and not (value.isdigit() and int(value) >= 1):
+    if value not in (OP, ALTERNATE) and not (value.isdigit() and int(value) >= 1):
         fail("strategy.selective", s.selective, f"{OP} (the products' and attention's outputs saved in every "
-             "block) or a positive integer N (every N-th block recomputed whole)", f"{OP}, 1, 2, 3, ...")
+             f"block), {ALTERNATE} (the same with every second product recomputed) or a positive integer N (every "
+             "N-th block recomputed whole)", f"{OP}, {ALTERNATE}, 1, 2, 3, ...")
     if value != OP and s.activations != "selective":
         why = f"strategy={s.name} recomputes whole blocks only" if offloads else \
             f"strategy.activations={s.activations}"
@@ -160,10 +175,23 @@ def check_recompute_degrees(s: StrategyConfig) -> None:
              ["strategy.selective=N (every N-th block recomputed whole)", "strategy.activations=checkpoint"])
 
 
-def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Note [selective recomputation]: a product's or attention's output saved, any other op's recomputed."""
-    return CheckpointPolicy.MUST_SAVE if getattr(op, "_overloadpacket", None) in SAVED \
-        else CheckpointPolicy.PREFER_RECOMPUTE
+def _policy(alternate: bool):
+    """Note [selective recomputation]: a product's or attention's output saved, any other op's recomputed;
+    `alternate`, every second product recomputed as well (a policy per forward of a block, which counts the
+    products of that forward and of its recomputation apart)."""
+    seen = {False: 0, True: 0}  # products run: in forward, in the recomputation
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        packet = getattr(op, "_overloadpacket", None)
+        if packet not in SAVED:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if alternate and packet in PRODUCTS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
 class _RangesOutside(TorchDispatchMode):
@@ -177,15 +205,15 @@ class _RangesOutside(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def products_saved(block: nn.Module):
-    """`context_fn` of `block`'s checkpoint under selective=op: torch's selective-checkpoint contexts (a
-    fresh cache per forward), with the BatchNorm running statistics put back around the recomputation (Note
-    [batch norm]) outside its cached mode, whose own ops (a copy of the statistics) no forward made, and
-    profiler ranges outside both (`_RangesOutside`)."""
+def products_saved(block: nn.Module, alternate: bool = False):
+    """`context_fn` of `block`'s checkpoint under selective=op (`alternate`: op_alternate): torch's
+    selective-checkpoint contexts (a fresh cache and policy per forward), with the BatchNorm running statistics
+    put back around the recomputation (Note [batch norm]) outside its cached mode, whose own ops (a copy of the
+    statistics) no forward made, and profiler ranges outside both (`_RangesOutside`)."""
     keep = recompute_contexts(block)
 
     def contexts():
-        caching, cached = create_selective_checkpoint_contexts(_policy)
+        caching, cached = create_selective_checkpoint_contexts(_policy(alternate))
         _, restore = keep()
         return _nested(caching, _RangesOutside()), _nested(restore, _nested(cached, _RangesOutside()))
 

@@ -49,6 +49,7 @@ GPT = ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "
 SELECTIVE = {
     "single_op": (1, {"name": "single"}, "op"),
     "single_2": (1, {"name": "single"}, "2"),
+    "single_op_alternate": (1, {"name": "single"}, "op_alternate"),
     "data_zero3_op": (2, {"name": "data", "zero": 3}, "op"),
     "data_zero3_2": (2, {"name": "data", "zero": 3}, "2"),
 }
@@ -71,12 +72,18 @@ def test_selective_recomputation_trains_as_single_in_the_planned_bytes(reference
     validate(cfg, world)
     (role,) = plan(cfg, world)  # in this process, on fake tensors
     assert [role.total] * world == measured
+    if selective == "op_alternate":  # half the products' outputs recomputed: less than op keeps
+        cfg.strategy.selective = "op"
+        (op,) = plan(cfg, world)
+        assert role.total < op.total and role.flops > op.flops, (role.total, op.total, role.flops, op.flops)
 
 
 @pytest.mark.parametrize("args,message", [
     (["strategy=data", "nproc=2", "strategy.activations=cpu"],
      "strategy.activations='cpu': strategy=data keeps activations on the device or recomputes them"),
     (["strategy.activations=selective", "strategy.selective=0"], "strategy.selective='0': op (the products'"),
+    (["strategy.selective=op_alternate"], "strategy.selective='op_alternate': chooses what "
+                                          "strategy.activations=selective recomputes"),
     (["strategy=offload", "strategy.activations=selective"], "strategy.activations='selective': strategy=offload "
                                                              "streams the activations it saves to its own tiers"),
 ])

@@ -2,6 +2,8 @@
 and BatchNorm statistics as without, the blocks `selective=N` picks, and a plan's bytes and work between keeping
 every activation and recomputing every block."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -38,7 +40,8 @@ def _step(model: nn.Module) -> dict:
     return {**{f"{k}.grad": p.grad for k, p in model.named_parameters()}, **dict(model.named_buffers())}
 
 
-@pytest.mark.parametrize("how", [Recompute(ops=True), Recompute(every=2), Recompute()], ids=["op", "2", "checkpoint"])
+@pytest.mark.parametrize("how", [Recompute(ops=True), Recompute(ops=True, alternate=True), Recompute(every=2),
+                                 Recompute()], ids=["op", "op_alternate", "2", "checkpoint"])
 def test_recomputed_blocks_give_the_gradients_and_statistics_of_none(how):
     plain, recomputed = _blocks(), _blocks()
     recompute_blocks(recomputed, [f"layers.{i}" for i in range(4)], how)
@@ -46,6 +49,26 @@ def test_recomputed_blocks_give_the_gradients_and_statistics_of_none(how):
     for key, value in want.items():  # the same ops on the same inputs: equal, not close
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
     assert int(got["layers.0.norm.num_batches_tracked"]) == 1  # moved once, not again when recomputed
+
+
+def test_op_alternate_recomputes_every_second_product_of_each_forward_and_recomputation():
+    """op_alternate's policy: products 1, 3, ... of a block's forward saved, 2, 4, ... recomputed, attention and
+    op's other saved ops saved, the rest recomputed; counted apart in the recomputation, and afresh per forward."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from parallel.strategies.recompute import _policy
+
+    aten, save, again = torch.ops.aten, CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    forward, recompute = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    ops = [aten.mm.default, aten.gelu.default, aten.addmm.default, aten._scaled_dot_product_flash_attention.default,
+           aten.mm.default, aten.bmm.default]
+    want = [save, again, again, save, save, again]
+    policy = _policy(alternate=True)
+    assert [policy(forward, op) for op in ops] == want
+    assert [policy(recompute, op) for op in ops] == want  # the recomputation counts from 1 again
+    assert [policy(forward, aten.mm.default) for _ in range(2)] == [save, again]  # its 5th and 6th products
+    assert _policy(alternate=True)(forward, aten.bmm.default) == save  # a fresh policy per forward: its 1st
+    assert [_policy(alternate=False)(forward, op) for op in ops] == [save, again, save, save, save, save]
 
 
 def test_every_nth_block_is_counted_over_the_whole_model():
