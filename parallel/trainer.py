@@ -115,9 +115,10 @@ def build_run(cfg: Config, dims: ParallelDims, runtime: Runtime, mesh=None, mode
     rng_seed = stream_seed(cfg.trainer.seed, dp_rank, mesh["pp"].get_local_rank())
     clock = CompileClock() if compiling(cfg, runtime) else None  # blocks compile at the first step, not here
     tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
-    return Run(cfg, engine, optimizer, build_scheduler(optimizer, cfg.optim, cfg.trainer.steps), data, runtime.device, is_logger, plan,
-               rng_seed=rng_seed, eval_data=eval_data, compile_clock=clock, ahead=looks_ahead(engine),
-               tp_group=tp_group, data_spec=runtime.data)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps)
+    return Run(cfg, engine, optimizer, scheduler, data, runtime.device, is_logger, plan, rng_seed=rng_seed,
+               eval_data=eval_data, compile_clock=clock, ahead=looks_ahead(engine), tp_group=tp_group,
+               data_spec=runtime.data)
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device, data=None) -> None:
@@ -362,7 +363,8 @@ def save_final(engine: Engine, path: Path) -> None:
 def state_record(run: Run) -> dict:
     """Bytes of this rank's own pieces of the weights and of the optimizer state, every rank's (gathered)."""
     params = {id(p): p for p in run.engine.model.parameters()}  # a weight shared by two modules counts once
-    state = [t for s in rank_optimizer(run.optimizer).state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    state = [t for s in rank_optimizer(run.optimizer).state.values() for t in s.values()
+             if torch.is_tensor(t) and t.dim() > 0]
     return {"param_bytes_per_rank": gather_ints(sum(local_bytes(p) for p in params.values())),
             "optim_state_bytes_per_rank": gather_ints(sum(local_bytes(t) for t in state))}
 

@@ -32,8 +32,9 @@ all blocks' to about one block's, for about one more forward pass of compute.
          recomputation) is recomputed rather than saved: the policy
          torchtitan's `selective_ac_option = "op"` runs, with which its
          published Llama 3.1 runs were trained. About half the products'
-         outputs leave the saved activations, for recomputing those products
-         (roughly a sixth more of the block's forward FLOPs in a Llama block).
+         outputs leave the saved activations, for running those products
+         again in backward (in a Llama block the key, output and up
+         projections: about a third of its products' FLOPs).
     N    (a positive integer) blocks 0, N, 2N, ... of the model's repeated blocks
          (in forward order, counted over the whole model, a pipeline stage
          taking those it holds) are checkpointed whole; the others keep their
