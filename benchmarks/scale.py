@@ -74,6 +74,8 @@ SMOKE_ROWS = ["titan-8b-8", "titan-70b-256", "titan-405b-512", "697m-single-h200
 SELECTIVE_TITAN = ["strategy.activations=selective", "strategy.selective=op_alternate"]
 SELECTIVE_OP = ["strategy.activations=selective", "strategy.selective=op"]
 FULL = ["strategy.activations=checkpoint"]
+# torchtitan's Llama tensor-parallel plan: norms on sequence shards, the loss on logits split by the vocabulary
+SEQUENCE_LOSS = ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"]
 # published rows left out, and why
 SKIPPED = [
     "Table 1 and Table 3, FSDP + torch.compile (6,667 and 6,514 tokens/s) and + Float8 (8,532 and 8,380): "
@@ -125,8 +127,10 @@ def titan_rows() -> list[Row]:
             256, ["strategy=hybrid", "strategy.dp=32", "strategy.tp=8", "strategy.zero=3", "trainer.batch_size=512"],
             829, round(71.9 * GIB), "reserved",
             {**common, "local_batch": 16, "global_batch": 512, "activation_checkpointing": "full", "float8": True,
-             "compile": True, "async_tp": False, "sequence_parallel": "torchtitan's TP plan: yes; planned: no"},
-            {"as published (full recomputation)": FULL}, tokens_target=False,
+             "compile": True, "async_tp": False, "sequence_parallel": "torchtitan's TP plan: yes; planned: yes",
+             "loss_parallel": "torchtitan's default with TP: yes; planned: yes"},
+            {"as published (full recomputation, sequence and loss parallelism)": FULL + SEQUENCE_LOSS,
+             "full recomputation, no sequence or loss parallelism": FULL}, tokens_target=False,
             smoke={"nproc": 4, "overrides": ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.zero=3",
                                              "trainer.batch_size=4"]}),
         Row("titan-405b-512", f"{TITAN}, Table 5, row Interleaved 1F1B", "FSDP 8 x TP 8 x PP 8, interleaved, 64 nodes",
@@ -137,7 +141,8 @@ def titan_rows() -> list[Row]:
             {**common, "local_batch": 32, "global_batch": 256, "activation_checkpointing": "full", "float8": True,
              "compile": True, "async_tp": True, "microbatches": "32 (torchtitan's default microbatch size 1)",
              "stages_per_rank": "2 (assumed: the file does not say)",
-             "sequence_parallel": "torchtitan's TP plan: yes; planned: no"},
+             "sequence_parallel": "torchtitan's TP plan: yes; planned: no (refused over a pipeline's traced blocks)",
+             "loss_parallel": "torchtitan's default with TP: yes; planned: no (a stage's loss is the schedule's)"},
             {"as published (full recomputation)": FULL}, tokens_target=False,
             smoke={"nproc": 8, "overrides": ["strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.pp=2",
                                              "strategy.zero=3", "strategy.microbatches=2", "trainer.batch_size=4"]}),

@@ -224,9 +224,10 @@ class LocalEngine(Engine):
             # Gradients are reduced across data-parallel ranks only on the last micro-step.
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 / replicate modules have it
                 self.model.set_requires_gradient_sync(i == accum - 1)
-            with autocast(self.bf16, self.device):
-                loss = self.loss(self._forward(xs), ys)  # already a share of the global loss: no / accum
-            loss.backward()
+            with self.loss.over_pieces():  # logits split by the vocabulary: forward, loss and backward inside
+                with autocast(self.bf16, self.device):
+                    loss = self.loss(self._forward(xs), ys)  # already a share of the global loss: no / accum
+                loss.backward()
             total += loss.detach().float()
         return total / scale
 
@@ -237,7 +238,7 @@ class LocalEngine(Engine):
         scores = torch.zeros(3, dtype=torch.float64, device=y.device)
         with evaluating([self.model]):
             for xs, ys in zip(split_rows(x, accum), y.chunk(accum)):
-                with autocast(self.bf16, self.device):
+                with autocast(self.bf16, self.device), self.loss.over_pieces():
                     scores += self.loss.score(self._forward(xs), ys)
         return scores
 

@@ -38,11 +38,14 @@ counts of all its batches and divides once (`Loss.score`).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel.config import LOSS_REDUCTIONS, LossConfig, fail, import_target
 
@@ -118,9 +121,12 @@ class Loss:
     Args:
         c: the loss config.
         task: data.task (the default built-in; accuracy for classification and lm).
+        split_logits: the logits come split by the vocabulary over the tp ranks (strategy.loss_parallel, Note
+            [loss parallelism] in parallel/strategies/tensor/sequence.py).
     """
 
-    def __init__(self, c: LossConfig, task: str):
+    def __init__(self, c: LossConfig, task: str, split_logits: bool = False):
+        self.split_logits = split_logits
         self.ignore_index, self.reduction = c.ignore_index, c.reduction
         self.user = resolve_loss_fn(c)
         self.name = c.name or TASK_LOSSES.get(task, "mse")
@@ -145,9 +151,16 @@ class Loss:
         if self.name == OUTPUT:
             return loss_of(out).float() * count, count
         if self.user is None:
-            return LOSSES[self.name](logits_of(out).float(), targets, self.ignore_index, **self.args), count
+            value = LOSSES[self.name](logits_of(out).float(), targets, self.ignore_index, **self.args)
+            # on logits split by the vocabulary: a DTensor replicated over the tp ranks, whole on each
+            return (value.to_local() if isinstance(value, DTensor) else value), count
         value = self.user(out, targets, **self.args)
         return (value if self.reduction == "sum" else value * count), count
+
+    def over_pieces(self):
+        """The context a microbatch's forward, loss and backward run in: PyTorch's `loss_parallel()` on logits
+        split by the vocabulary (its backward needs it too), else nothing."""
+        return loss_parallel() if self.split_logits else contextlib.nullcontext()
 
     def start_step(self, targets: torch.Tensor, group, scale: int) -> None:
         """Count N for the step whose (this rank's) targets are `targets`, over the ranks of `group`; `scale`:
@@ -191,13 +204,15 @@ class Loss:
         if self.classifies:
             logits = logits_of(out)
             if logits.shape[:-1] == targets.shape:
-                correct = ((logits.argmax(-1) == targets) & (targets != self.ignore_index)).sum()
+                guess = logits.argmax(-1)
+                guess = guess.full_tensor() if isinstance(guess, DTensor) else guess  # split logits: gathered
+                correct = ((guess == targets) & (targets != self.ignore_index)).sum()
         return torch.stack([value.detach().double(), count.double(), correct.double()])
 
 
-def build_loss(c: LossConfig, task: str) -> Loss:
-    """The run's loss (checked before the workers start: `check_loss`)."""
-    return Loss(c, task)
+def build_loss(c: LossConfig, task: str, split_logits: bool = False) -> Loss:
+    """The run's loss (checked before the workers start: `check_loss`); `split_logits`: as Loss takes it."""
+    return Loss(c, task, split_logits)
 
 
 def derive_output_loss(c: LossConfig, named: list | None, target_key) -> None:

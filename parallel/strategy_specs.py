@@ -88,8 +88,11 @@ class StrategyConfig(StrategyBase):
     # "pattern:style" entries (pattern over module names, with *); empty: the built-in model's own plan.
     tp_plan: List[str] = field(default_factory=list)
     # Shard norms, dropout and the residual stream along the sequence between
-    # tensor-parallel layers (built-in transformer only).
+    # tensor-parallel layers (the built-in gpt, a Hugging Face model's own plan, or seq_* styles).
     sequence_parallel: bool = False
+    # Keep the output head's logits split by the vocabulary over the tp ranks and compute the built-in
+    # cross-entropy on the pieces (PyTorch's loss_parallel), instead of gathering them whole on every rank.
+    loss_parallel: bool = False
     # Context-parallel degree (ranks splitting each sample's sequence); None: the world size under
     # strategy=context, 1 under hybrid.
     cp: Optional[int] = None
@@ -153,7 +156,7 @@ class StrategySpec:
 ACTIVATIONS = ("activations", "selective")
 DATA = ("dp", "dp_replicate", "zero", "sync_batchnorm")
 PIPELINE = ("pp", "schedule", "microbatches", "stages_per_rank", "split_points", "balance")
-TENSOR = ("tp", "tp_plan", "sequence_parallel")
+TENSOR = ("tp", "tp_plan", "sequence_parallel", "loss_parallel")
 CONTEXT = ("cp", "zero")
 EXPERT = ("ep", "zero")
 OFFLOAD = ("params", "optimizer", "path", "prefetch", "lookahead")

@@ -51,7 +51,7 @@ from parallel.strategies.expert import check_experts
 from parallel.strategies.offload.check import check_offload_disk
 from parallel.strategies.pipeline import check_pipeline, check_split, schedules
 from parallel.strategies.recompute import check_recompute_degrees
-from parallel.strategies.tensor import check_plan, check_tensor_keys
+from parallel.strategies.tensor import check_loss_parallel, check_plan, check_tensor_keys
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -183,6 +183,7 @@ def validate(cfg: Config, world_size: int, data: DataSpec | None = None) -> None
     check_strategy(cfg, world_size)
     resolve(cfg, world_size)
     _check_degree_keys(s)
+    check_loss_parallel(cfg)
     _check_inputs_by_name(cfg, data)
     per_rank = _check_batch(cfg)
     if pipelined(s):

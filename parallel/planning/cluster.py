@@ -15,7 +15,11 @@ recomputed selectively or recomputed per block. The model's rules are
 applied before anything is built: tp divides the attention's head counts,
 pp x stages per rank at most the blocks, dp the batch and the microbatches
 the per-rank batch, 2 x cp the sequence, the schedule's own
-(schedules.check). Those ruled out are counted by reason.
+(schedules.check). Those ruled out are counted by reason. A layout with tp > 1
+and neither pp nor cp runs with sequence and loss parallelism (strategy.
+sequence_parallel, strategy.loss_parallel, as torchtitan's tensor parallelism
+does) where the model's plan takes them, probed once (`_cuts_sequence`): its
+residual stream and logits then count 1/tp on a rank.
 
 Then, per layout, arithmetic only (parallel.planning.screen):
     bound     bytes some rank must hold whatever the planner finds: at the
@@ -56,6 +60,7 @@ import time
 from collections import Counter
 
 from parallel.config import Config, ConfigError, HardwareConfig
+from parallel.data import example_input
 from parallel.dims import ParallelDims
 from parallel.models.build import build_meta_model
 from parallel.planning.allocator import held
@@ -64,6 +69,8 @@ from parallel.planning.layouts import POLICIES, Candidate, Layout, ModelShape, a
 from parallel.planning.on_profile import profile_times
 from parallel.planning.planner import plan
 from parallel.planning.screen import estimate
+from parallel.strategies.tensor import check_loss_parallel, resolve_plan
+from parallel.tensors import as_call
 from parallel.throughput import model_flops
 from parallel.units import human_bytes
 from parallel.validate import validate
@@ -81,7 +88,8 @@ def search(cfg: Config, world: int, run_dir, budget: int, hw: HardwareConfig, pr
     """The planned candidates, ranked (fitting first, by the planned step), and what the search did (counts by
     reason, timings, the top rows) for auto.json (Note [auto over a cluster])."""
     t0 = time.perf_counter()
-    shape = ModelShape.of(build_meta_model(cfg.model))
+    model = build_meta_model(cfg.model)
+    shape = ModelShape.of(model, cuts_sequence=_cuts_sequence(model, cfg, data))
     flops = model_flops(cfg, data)
     layouts, refused = enumerate_layouts(world, shape, cfg, hw.devices_per_node)
     screened, kept = Counter(), []
@@ -106,6 +114,17 @@ def search(cfg: Config, world: int, run_dir, budget: int, hw: HardwareConfig, pr
                "seconds": time.perf_counter() - t0,
                "top": [_row(c, cfg, world, hw, flops) for c in fits[:TOP]]}
     return ranked, summary
+
+
+def _cuts_sequence(model, cfg: Config, data) -> bool:
+    """Whether a tensor-parallel layout runs with sequence and loss parallelism: the model's plan (at tp 2) takes
+    both, and the loss is the built-in cross-entropy (Note [loss parallelism])."""
+    try:
+        check_loss_parallel(apply_overrides(cfg, ["strategy=model", "strategy.loss_parallel=true"]))
+        resolve_plan(model, 2, cfg.strategy.tp_plan, True, as_call(example_input(cfg.data, spec=data))[0], True)
+    except ConfigError:
+        return False
+    return True
 
 
 def _plan_in_order(cfg, world, run_dir, budget, hw, kept, data, progress, t0) -> tuple[list[Candidate], Counter]:

@@ -43,6 +43,9 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             continue
         attr = key.split(".", 1)[1]
         current = getattr(c.strategy, attr)
+        if isinstance(current, bool):
+            setattr(c.strategy, attr, value == "true")
+            continue
         setattr(c.strategy, attr, int(value) if isinstance(current, int) or current is None and value.isdigit()
                 else value)
     return c
@@ -59,9 +62,11 @@ class ModelShape:
     hidden: int | None = None  # the embedding's width
     vocab: int | None = None  # the embedding's rows
     heads: tuple[int, ...] = ()  # attention head counts tensor parallelism must divide (q, and kv heads)
+    # its tensor-parallel plan takes sequence and loss parallelism (probed once, parallel.planning.cluster)
+    cuts_sequence: bool = False
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelShape":
+    def of(cls, model: nn.Module, cuts_sequence: bool = False) -> "ModelShape":
         trained = [p for p in model.parameters() if p.requires_grad]
         names = repeated_blocks(model)
         parents = Counter(n.rpartition(".")[0] for n in names)  # the longest list of blocks
@@ -73,7 +78,8 @@ class ModelShape:
                    blocks=len(blocks), param_bytes=trained[0].element_size() if trained else 4,
                    nested=bool(blocks) and nested(model, blocks[0]),
                    hidden=embedding.embedding_dim if embedding is not None else None,
-                   vocab=embedding.num_embeddings if embedding is not None else None, heads=_heads(model))
+                   vocab=embedding.num_embeddings if embedding is not None else None, heads=_heads(model),
+                   cuts_sequence=cuts_sequence)
 
 
 def _heads(model: nn.Module) -> tuple[int, ...]:
@@ -103,6 +109,7 @@ class Layout:
     schedule: str | None = None  # pp > 1
     stages: int = 1  # stages per rank
     microbatches: int = 1
+    sequence: bool = False  # strategy.sequence_parallel and loss_parallel (tp > 1, no pipeline, no cp)
 
     @property
     def world(self) -> int:
@@ -119,6 +126,8 @@ class Layout:
             text += f" r{self.replicate}"
         if self.pp > 1:
             text += f" {self.schedule} v{self.stages} m{self.microbatches}"
+        if self.sequence:
+            text += " sp"
         return text + ("" if self.activations == "device" else f", {self.activations}")
 
     @property
@@ -137,6 +146,8 @@ class Layout:
                     f"strategy.microbatches={self.microbatches}", "strategy.balance=params"]
         if self.activations != "device":
             out.append(f"strategy.activations={self.activations}")
+        if self.sequence:
+            out += ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"]
         return out
 
     def candidate(self) -> Candidate:
@@ -150,7 +161,9 @@ def divisors(n: int) -> list[int]:
 def enumerate_layouts(world: int, shape: ModelShape, cfg: Config, per_node: int) -> tuple[list[Layout], Counter]:
     """Every layout of `world` ranks the rules allow (tp within a node of `per_node` devices and dividing the
     heads, pp over the blocks, the batch over dp and the microbatches, the sequence over 2 x cp), and the
-    count of the degree combinations (dp, tp, pp, cp) and pipeline settings ruled out, by reason."""
+    count of the degree combinations (dp, tp, pp, cp) and pipeline settings ruled out, by reason. With tp > 1
+    and neither pp nor cp, a model whose plan takes them (`shape.cuts_sequence`) runs with sequence and loss
+    parallelism where tp divides the sequence, as torchtitan's tensor parallelism does."""
     out, refused = [], Counter()
     t = cfg.trainer
     for tp in divisors(world):
@@ -163,9 +176,10 @@ def enumerate_layouts(world: int, shape: ModelShape, cfg: Config, per_node: int)
                     continue
                 per_rank = t.batch_size // dp
                 pipes = [(None, 1, 1)] if pp == 1 else _pipelines(pp, per_rank, shape, cfg.strategy, refused)
+                sp = shape.cuts_sequence and tp > 1 and pp == cp == 1 and cfg.data.seq_len % tp == 0
                 for schedule, stages, m in pipes:
                     for zero, r in _shardings(dp * cp, dp):
-                        out += [Layout(dp, tp, pp, cp, zero, r, a, schedule, stages, m) for a in POLICIES]
+                        out += [Layout(dp, tp, pp, cp, zero, r, a, schedule, stages, m, sp) for a in POLICIES]
     return out, refused
 
 

@@ -66,7 +66,7 @@ def lower_bound(lay: Layout, shape: ModelShape, cfg: Config) -> int:
     saved = 0.0
     if shape.hidden:
         per_block = 2 if lay.activations == "device" and shape.heads else 1
-        saved = most * per_block * tokens * shape.hidden * ACT_BYTES
+        saved = most * per_block * tokens * shape.hidden * ACT_BYTES / (lay.tp if lay.sequence else 1)
     logits = tokens * shape.vocab * ACT_BYTES / lay.tp if cfg.data.task == "lm" and shape.vocab else 0.0
     if lay.pp == 1:  # one stage: every parameter's share, and the logits on the same rank
         return int(max(sum(spread), spread[0] + spread[2] + saved + logits))
@@ -88,13 +88,15 @@ def _peak(lay: Layout, shape: ModelShape, cfg: Config) -> float:
     held = shape.params / (lay.tp * lay.pp)
     w, g, o = _states(lay, held, pb, adam)
     widths = shape.block_params / h if h else 0.0  # the block's matrices' widths, summed
-    per_token = {"device": 4 * h + widths / lay.tp, "selective": 2 * h + widths / (2 * lay.tp),
-                 "checkpoint": h}[lay.activations] * pb
+    stream = h / lay.tp if lay.sequence else h  # the residual stream and the norms, cut by the sequence or whole
+    per_token = {"device": 4 * stream + widths / lay.tp, "selective": 2 * stream + widths / (2 * lay.tp),
+                 "checkpoint": stream}[lay.activations] * pb
     blocks = shape.blocks / lay.pp
     flight = 1 if lay.pp == 1 else (lay.microbatches if lay.schedule == "GPipe" else min(lay.microbatches, lay.pp))
     tokens = _tokens(lay, cfg)
     acts = blocks * per_token * tokens * flight
-    logits = tokens * shape.vocab * 10 if cfg.data.task == "lm" and shape.vocab else 0.0
+    logits = tokens * shape.vocab * 10 / (lay.tp if lay.sequence else 1) if cfg.data.task == "lm" and shape.vocab \
+        else 0.0  # split by the vocabulary under loss parallelism
     gathered = 2 * shape.block_params / lay.tp * 2 if lay.zero == 3 else 0.0
     return max(w + g + o, w + o + acts + logits + gathered)
 

@@ -55,7 +55,7 @@ def _local(apply):
         if compiling(cfg, runtime):  # after DDP or FSDP2 (Note [regional compilation])
             compile_model(model)
         materialize_and_init(model, runtime.device, plan, runtime.values)
-        loss = build_loss(cfg.loss, cfg.data.task)
+        loss = build_loss(cfg.loss, cfg.data.task, cfg.strategy.loss_parallel)
         return LocalEngine(model, loss, data_mesh(mesh).get_group(), runtime.device, cfg.trainer.grad_accum,
                            bf16_run(cfg), sequence, state_sharding(mesh, cfg.strategy.zero))
 

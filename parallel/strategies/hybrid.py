@@ -77,7 +77,7 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     tp_plan = {}
     if s.tp > 1:  # the plan checked against the model, inferred from one batch's input on meta if need be
         example = as_call(example_input(cfg.data, spec=runtime.data))[0]
-        tp_plan = tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example)
+        tp_plan = tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example, s.loss_parallel)
     param_dtype, reduce_dtype = precision(cfg)  # Note [mixed precision]
     policy = mixed_precision(param_dtype, reduce_dtype)  # the experts' own units'
     # Once for every stage of the rank: a 2-D mesh of hybrid sharding has process groups of its own.
@@ -119,7 +119,7 @@ def build_hybrid(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runti
     if compiling(cfg, runtime):  # after the tensor plan and FSDP2 (Note [regional compilation])
         compile_model(model)
     materialize_and_init(model, runtime.device, plan, runtime.values)
-    loss = build_loss(cfg.loss, cfg.data.task)
+    loss = build_loss(cfg.loss, cfg.data.task, s.loss_parallel)
     return expert_engine(mesh, model, loss, data_mesh(mesh).get_group(), runtime.device, cfg.trainer.grad_accum,
                          bf16_run(cfg), sequence, zero1([model], mesh, s.zero))
 

@@ -43,3 +43,25 @@ def test_llama_hybrid_dp2_tp2_trains_as_the_users_own_loop(tmp_path):
     cli.run(args("llama") + ["nproc=4", "strategy=hybrid", "strategy.dp=2", "strategy.tp=2", "strategy.zero=3",
                              f"run_dir={tmp_path}"], cwd=tmp_path, timeout=220)
     assert_as_plain(tmp_path, "llama")
+
+
+SEQUENCE = {  # model, strategy keys, what the printed plan shows
+    "llama_sequence": ("llama", ["strategy.sequence_parallel=true"], "model.layers.0:seq_split"),
+    "llama_sequence_loss": ("llama", ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"],
+                            "lm_head:colwise_seq_loss"),
+    "qwen3_loss": ("qwen3", ["strategy.loss_parallel=true"], "lm_head:colwise_loss"),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", sorted(SEQUENCE))
+def test_sequence_and_loss_parallel_on_a_models_own_plan_train_as_the_users_own_loop(tmp_path, case):
+    """strategy.sequence_parallel=true on the model's own plan (Note [sequence parallelism for a model's own
+    plan]): the residual stream between the projections cut by the sequence over the 2 ranks, the norms on the
+    shards (their weights' gradients summed), the rotary tables and the causal mask of the whole sequence;
+    strategy.loss_parallel=true (Note [loss parallelism]): the logits split by the vocabulary, the cross-entropy
+    on the pieces, with and without sequence parallelism."""
+    model, keys, shown = SEQUENCE[case]
+    proc = cli.run(args(model) + TP2 + keys + [f"run_dir={tmp_path}"], cwd=tmp_path)
+    assert shown in proc.stdout + proc.stderr
+    assert_as_plain(tmp_path, model)

@@ -51,6 +51,9 @@ CASES = {
     # Hugging Face models read their positions to skip the causal mask: the plan reads them too (Note [planner]).
     "hf_llama": (1, HF + ["model._target_=tests.hf_models.llama"]),
     "hf_gpt2": (1, HF + ["model._target_=tests.hf_models.gpt2"]),
+    # Its own plan with the residual stream cut by the sequence and the logits split by the vocabulary.
+    "hf_llama_tp2_sequence_loss": (2, HF + ["model._target_=tests.hf_models.llama", "strategy=model",
+                                            "strategy.sequence_parallel=true", "strategy.loss_parallel=true"]),
     # Each rank holds half the experts; the plan sends a balanced share of the tokens to each through the
     # all-to-alls of the real run (Note [moe layer]).
     "moe_ep2": (2, ["model=moe", "data.task=lm", "model.args.experts=8", "strategy=expert"]),

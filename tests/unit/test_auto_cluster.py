@@ -1,5 +1,6 @@
 """strategy=auto over a cluster (Note [auto over a cluster] in parallel/planning/cluster.py): the layouts that divide
 the world and what rules them out, the screen's bound, and a search of a tiny gpt on 64 ranks of H100s."""
+import dataclasses
 import math
 import time
 
@@ -114,3 +115,23 @@ def test_a_search_on_64_ranks_plans_the_most_promising_and_ranks_them(tmp_path):
     by_name = {lay.name: lay for lay in enumerate_layouts(64, shape, cfg, 8)[0]}
     for c in found:
         assert lower_bound(by_name[c.name], shape, cfg) <= c.peak
+
+
+def test_tensor_parallel_layouts_cut_the_sequence_where_the_models_plan_takes_it():
+    """tp > 1 without pp or cp: sequence and loss parallelism, as torchtitan's tensor parallelism runs, where the
+    model's plan takes them (probed once); the residual stream and the logits then count 1/tp in the screen."""
+    found, _ = enumerate_layouts(64, dataclasses.replace(L8B, cuts_sequence=True), _cfg(), per_node=8)
+    assert all(lay.sequence == (lay.tp > 1 and lay.pp == lay.cp == 1) for lay in found)
+    assert not any(lay.sequence for lay in enumerate_layouts(64, L8B, _cfg(), per_node=8)[0])
+    cfg = _cfg()
+    lay = next(x for x in found if x.sequence and x.degrees == (8, 8, 1, 1) and x.zero == 3
+               and x.activations == "checkpoint")
+    assert lay.name.endswith(" sp, checkpoint")
+    assert lay.overrides[-2:] == ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"]
+    whole = dataclasses.replace(lay, sequence=False)
+    assert lower_bound(lay, L8B, cfg) < lower_bound(whole, L8B, cfg)
+    assert estimate(lay, L8B, cfg, cfg.hardware, None).peak < estimate(whole, L8B, cfg, cfg.hardware, None).peak
+    # the probe: the built-in gpt's plan takes both; a loss other than the built-in cross-entropy does not
+    model = build_meta_model(cfg.model)
+    assert cluster._cuts_sequence(model, _cfg(seq=32), None)
+    assert not cluster._cuts_sequence(model, _cfg(seq=32, loss__name="mse"), None)

@@ -99,14 +99,47 @@ def test_a_tied_embedding_and_head_split_alike_are_accepted():
     assert plan["model.embed_tokens"] == "rowwise" and plan["lm_head"] == "colwise_gather"
 
 
-def test_hf_styles_without_an_equivalent_and_sequence_parallel_are_config_errors():
-    cfg = _cfg("llama")
+def test_hf_styles_without_an_equivalent_are_config_errors():
     with torch.device("meta"):
         model = hf_models.llama()
     model._tp_plan = {"model.layers.*.mlp.gate_proj": "packed_colwise"}  # as a model with packed weights has
     with pytest.raises(ConfigError, match="packed_colwise") as info:
         resolve_plan(model, tp=2)
     assert str(info.value).startswith("strategy.tp_plan") and "give strategy.tp_plan" in str(info.value)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_sequence_parallel_on_a_models_own_plan_cuts_the_residual_stream(model):
+    """Note [sequence parallelism for a model's own plan]: the first block cuts its input, every norm of a block
+    and the one after them run on shards, attention and MLP gather on entry and reduce-scatter out, the head
+    gathers; the projections keep the model's own styles (Qwen3's per-head norms theirs)."""
+    cfg = _cfg(model)
+    plain = _plan(cfg)
     cfg.strategy.sequence_parallel = True
-    with pytest.raises(ConfigError, match="strategy.sequence_parallel=true: LlamaForCausalLM's own plan"):
+    plan = _plan(cfg)
+    assert plan["model.layers.0"] == "seq_split" and "model.layers.1" not in plan
+    for i in (0, 1):
+        p = f"model.layers.{i}"
+        assert plan[f"{p}.input_layernorm"] == plan[f"{p}.post_attention_layernorm"] == "sequence"
+        assert plan[f"{p}.self_attn"] == plan[f"{p}.mlp"] == "seq_gather"
+        assert plan[f"{p}.self_attn.o_proj"] == plan[f"{p}.mlp.down_proj"] == "rowwise_seq"
+        assert plan[f"{p}.self_attn.q_proj"] == plan[f"{p}.mlp.up_proj"] == "colwise"
+    assert plan["model.norm"] == "sequence" and plan["lm_head"] == "colwise_seq_gather"
+    changed = {k for k in plain if plan[k] != plain[k]}
+    assert changed == {"lm_head", *(f"model.layers.{i}.{m}" for i in (0, 1)
+                                    for m in ("self_attn.o_proj", "mlp.down_proj"))}
+    if model == "qwen3":
+        assert plan["model.layers.0.self_attn.q_norm"] == "replicate_grads"
+
+
+def test_sequence_parallel_on_a_models_own_plan_refused_where_it_cannot_cut():
+    cfg = _cfg("llama", seq_len=15)
+    cfg.strategy.sequence_parallel = True
+    with pytest.raises(ConfigError, match=r"data.seq_len=15 must divide by tp 2"):
         _plan(cfg)
+    with torch.device("meta"):
+        model = hf_models.llama()
+    model.model.layers[0].extra = torch.nn.Linear(32, 32)  # a child on the stream with no rowwise layer
+    with pytest.raises(ConfigError, match=r"model.layers.0.extra \(Linear\) is neither a norm nor ends in a "
+                                          r"rowwise layer"):
+        resolve_plan(model, 2, (), True, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))

@@ -63,6 +63,13 @@ BAD = [
     ({"strategy__name": "hybrid", "strategy__dp": 2}, 8, "strategy.pp"),  # pp x tp = 4: which?
     ({"strategy__name": "hybrid", "strategy__tp": 1, "strategy__tp_plan": ["inp:colwise"]}, 2, "strategy.tp_plan"),
     ({"strategy__name": "hybrid", "strategy__sequence_parallel": True}, 2, "strategy.sequence_parallel"),
+    # Note [loss parallelism]: tp splitting the head, the built-in cross-entropy, no pipeline
+    ({"strategy__name": "hybrid", "strategy__loss_parallel": True}, 2, "strategy.loss_parallel"),  # tp 1
+    ({"strategy__name": "model", "strategy__loss_parallel": True}, 2, "strategy.loss_parallel"),  # mse
+    ({"strategy__name": "model", "strategy__loss_parallel": True, "model__name": "gpt", "data__task": "lm",
+      "loss__args": {"label_smoothing": 0.1}}, 2, "strategy.loss_parallel"),
+    ({"strategy__name": "hybrid", "strategy__loss_parallel": True, "strategy__pp": 2, "strategy__tp": 2,
+      "model__name": "gpt", "data__task": "lm"}, 4, "strategy.loss_parallel"),
     ({"strategy__name": "hybrid", "strategy__tp": 3}, 3, "strategy.tp"),  # hidden 64 over tp 3
     ({"strategy__name": "hybrid", "strategy__pp": 2, "strategy__microbatches": 3}, 4, "strategy.microbatches"),
     ({"strategy__name": "model", "strategy__zero": 2}, 2, "strategy.zero"),

@@ -33,6 +33,8 @@ activations between sequence shards (dimension 1) and whole tensors:
     seq_gather      the module's input is gathered from sequence shards (all-gather).
     rowwise_seq     RowwiseParallel whose output is reduce-scattered into sequence shards.
     colwise_seq_gather  ColwiseParallel taking sequence shards, output gathered.
+A built-in model's `tp_plan(tp, sequence_parallel=True)` places them itself; a Hugging Face model's own plan
+gets them from its structure (Note [sequence parallelism for a model's own plan] in sequence.py).
 A colwise layer must feed a rowwise one through elementwise ops only (an
 activation), so that each rank's shard of features stays its own; inside an
 attention module, each rank's shard must be whole heads (checks.check_heads).
@@ -51,6 +53,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from parallel.config import Config, ConfigError, StrategyConfig, fail
 from parallel.data import example_input
+from parallel.loss import TASK_LOSSES
 from parallel.metrics import log
 from parallel.models.hf import hf_tp_plan
 from parallel.models.lora import adapter_plan
@@ -58,16 +61,17 @@ from parallel.runtime import Runtime
 from parallel.strategies.tensor.checks import check_heads, check_module, check_ties
 from parallel.strategies.tensor.infer import infer_plan
 from parallel.strategies.tensor.rehearse import rehearse
+from parallel.strategies.tensor.sequence import with_loss_parallel, with_sequence_parallel
 from parallel.strategies.tensor.styles import STYLES, make_style
 from parallel.strategies.tensor.traced import traced_layers
 from parallel.tensors import as_call
 
-__all__ = ["STYLES", "apply_tensor", "check_plan", "check_tensor_keys", "infer_plan", "resolve_plan", "shard",
+__all__ = ["STYLES", "apply_tensor", "check_loss_parallel", "check_plan", "check_tensor_keys", "infer_plan", "resolve_plan", "shard",
            "tensor_plan"]
 
 
 def resolve_plan(model: nn.Module, tp: int, entries: Sequence[str] = (), sequence_parallel: bool = False,
-                 example: tuple = ()) -> dict[str, str]:
+                 example: tuple = (), loss_parallel: bool = False) -> dict[str, str]:
     """Module name -> style name, from strategy.tp_plan, the model's own plan, or inferred; checked.
 
     Args:
@@ -76,16 +80,17 @@ def resolve_plan(model: nn.Module, tp: int, entries: Sequence[str] = (), sequenc
         entries: strategy.tp_plan's "pattern:style" entries; empty: the model's own plan, or one inferred.
         sequence_parallel: strategy.sequence_parallel (a plan with the seq_* styles).
         example: meta inputs of one batch (positional), to infer a plan from the forward.
+        loss_parallel: strategy.loss_parallel (the head's logits left split: Note [loss parallelism]).
 
     Raises:
         ConfigError: unknown style, a pattern matching no module, a style on a module it cannot shard, a
             width or a head count that does not divide by tp, tied weights split differently, or a model
             without a plan.
     """
-    return _resolve(model, tp, entries, sequence_parallel, example)[0]
+    return _resolve(model, tp, entries, sequence_parallel, example, loss_parallel)[0]
 
 
-def _resolve(model: nn.Module, tp: int, entries: Sequence[str], sp: bool, example: tuple) \
+def _resolve(model: nn.Module, tp: int, entries: Sequence[str], sp: bool, example: tuple, lp: bool = False) \
         -> tuple[dict[str, str], str]:
     """(the checked plan, where it came from: "config", "model", "hugging face" or "inferred")."""
     if entries:
@@ -93,15 +98,16 @@ def _resolve(model: nn.Module, tp: int, entries: Sequence[str], sp: bool, exampl
     elif callable(getattr(model, "tp_plan", None)):  # a built-in model's method
         plan, source = _method_plan(model, tp, sp), "model"
     elif (hf := hf_tp_plan(model)) is not None:
-        if sp:
-            raise ConfigError(f"strategy.sequence_parallel=true: {type(model).__name__}'s own plan has no "
-                              f"sequence parallelism; give strategy.tp_plan with the seq_* styles, or set it false")
         plan, source = _expand(model, hf, strict=False), "hugging face"
+        if sp:  # Note [sequence parallelism for a model's own plan]
+            plan = with_sequence_parallel(model, plan, _seq_len(example), tp)
     else:
         if sp:
             raise ConfigError("strategy.sequence_parallel=true: an inferred plan has no sequence parallelism; "
                               "give strategy.tp_plan with the seq_* styles")
         plan, source = infer_plan(model, example), "inferred"
+    if lp:  # Note [loss parallelism] in sequence.py
+        plan = with_loss_parallel(model, plan)
     plan = adapter_plan(model, plan)  # LoRA layers: the base layer split, the adapter beside it (Note [LoRA])
     try:
         _check(model, plan, tp)
@@ -112,6 +118,12 @@ def _resolve(model: nn.Module, tp: int, entries: Sequence[str], sp: bool, exampl
         raise ConfigError(f"{e} [the plan checked: {whose}; strategy.tp_plan=[pattern:style,...] replaces it]") \
             from None
     return plan, source
+
+
+def _seq_len(example: tuple) -> int | None:
+    """The sequence length of a batch's main input (batch, sequence, ...), or None without one."""
+    x = example[0] if example else None
+    return x.shape[1] if getattr(x, "ndim", 0) >= 2 else None
 
 
 def _check(model: nn.Module, plan: dict[str, str], tp: int) -> None:
@@ -164,10 +176,10 @@ def _expand(model: nn.Module, patterns: dict[str, str], strict: bool = True) -> 
 
 
 def tensor_plan(model: nn.Module, tp: int, entries: Sequence[str], sequence_parallel: bool,
-                example: tuple) -> dict[str, str]:
+                example: tuple, loss_parallel: bool = False) -> dict[str, str]:
     """The checked plan for `model` (on meta; the arguments as `resolve_plan`'s); an inferred or a Hugging Face
     one is printed."""
-    plan, source = _resolve(model, tp, entries, sequence_parallel, example)
+    plan, source = _resolve(model, tp, entries, sequence_parallel, example, loss_parallel)
     if source in ("inferred", "hugging face"):
         what = "inferred" if source == "inferred" else f"{type(model).__name__}'s own (Hugging Face)"
         log.info("%s tensor-parallel plan (set strategy.tp_plan to change it): %s", what,
@@ -213,7 +225,7 @@ def _tied(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 def apply_tensor(model: nn.Module, mesh: DeviceMesh, cfg: Config, runtime: Runtime) -> nn.Module:
     """strategy=model: shard `model` (on meta) over the mesh's `tp` dimension by its plan, in place."""
     s, example = cfg.strategy, as_call(example_input(cfg.data, spec=runtime.data))[0]
-    shard(model, mesh, tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example))
+    shard(model, mesh, tensor_plan(model, s.tp, s.tp_plan, s.sequence_parallel, example, s.loss_parallel))
     return model
 
 
@@ -225,6 +237,28 @@ def check_tensor_keys(s: StrategyConfig, allowed: bool) -> None:
     if s.sequence_parallel and not allowed:
         fail("strategy.sequence_parallel", True,
              f"sequence parallelism shards between tensor-parallel layers: it needs {rule}")
+    if s.loss_parallel and not allowed:
+        fail("strategy.loss_parallel", True, f"loss parallelism splits the logits over tensor-parallel ranks: it "
+             f"needs {rule}")
+
+
+def check_loss_parallel(cfg: Config) -> None:
+    """strategy.loss_parallel=true needs the built-in cross-entropy without label smoothing and no pipeline
+    (Note [loss parallelism] in parallel/strategies/tensor/sequence.py)."""
+    s, c = cfg.strategy, cfg.loss
+    if not s.loss_parallel:
+        return
+    name = c.name or TASK_LOSSES.get(cfg.data.task, "mse")
+    if c._target_ or name != "cross_entropy":
+        fail("strategy.loss_parallel", True, f"computes the built-in cross-entropy on logits split by the "
+             f"vocabulary; this run's loss is {c._target_ or 'loss.name=' + name}",
+             ["loss.name=cross_entropy (data.task=lm's and classification's default)", "strategy.loss_parallel=false"])
+    if c.args.get("label_smoothing"):
+        fail("strategy.loss_parallel", True, "PyTorch's loss parallelism has no label smoothing "
+             f"(loss.args.label_smoothing={c.args['label_smoothing']})", "strategy.loss_parallel=false")
+    if s.pp is not None and s.pp > 1:
+        fail("strategy.loss_parallel", True, f"a pipeline's last stage computes the loss inside its schedule "
+             f"(strategy.pp={s.pp}); loss parallelism runs without one", "strategy.loss_parallel=false")
 
 
 def check_plan(model: nn.Module, cfg: Config, data=None) -> None:
@@ -233,7 +267,7 @@ def check_plan(model: nn.Module, cfg: Config, data=None) -> None:
     give the whole model's output shapes (Note [plan rehearsal] in parallel/strategies/tensor/rehearse.py).
     `data`: what was read from the data (parallel.data.spec.DataSpec)."""
     s, example = cfg.strategy, as_call(example_input(cfg.data, spec=data))[0]
-    plan, source = _resolve(model, s.tp, s.tp_plan, s.sequence_parallel, example)
+    plan, source = _resolve(model, s.tp, s.tp_plan, s.sequence_parallel, example, s.loss_parallel)
     if source == "model" and type(model).__module__.startswith("parallel."):
         return  # a built-in model's own plan, proven against single by the suite (Note [plan rehearsal])
     name = type(model).__name__

@@ -1,7 +1,7 @@
 """The style names a tensor-parallel plan uses, and the PyTorch ParallelStyle each one makes for a module.
 
 Most styles are PyTorch's own (ColwiseParallel, RowwiseParallel, SequenceParallel,
-PrepareModuleInput). Two module kinds take a style of their own:
+and FirstInput below, PrepareModuleInput's move of one input). Two module kinds take a style of their own:
 - nn.Embedding under `rowwise`: its rows (the vocabulary) are split and the token
   ids come in whole (RowwiseParallel with a replicated input: an id is never split
   by features). Each rank looks up the ids in its rows; the lookups are summed.
@@ -9,14 +9,14 @@ PrepareModuleInput). Two module kinds take a style of their own:
 """
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -34,16 +34,45 @@ STYLES = {
     "replicate": None,
     "replicate_grads": lambda: SumGradients(),
     "positions": lambda: PositionwiseParallel(),
-    "seq_split": lambda: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(SEQ,),
-                                            use_local_output=True),
-    "seq_gather": lambda: PrepareModuleInput(input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True),
+    "seq_split": lambda: FirstInput(Replicate(), SEQ),
+    "seq_gather": lambda: FirstInput(SEQ, Replicate()),
     "rowwise_seq": lambda: RowwiseParallel(output_layouts=SEQ),
     "colwise_seq_gather": lambda: ColwiseParallel(input_layouts=SEQ, output_layouts=Replicate()),
+    # loss parallelism (strategy.loss_parallel): the head's logits left split by the vocabulary, as a DTensor
+    "colwise_loss": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    "colwise_seq_loss": lambda: ColwiseParallel(input_layouts=SEQ, output_layouts=Shard(-1), use_local_output=False),
 }
-SHARDS_OUTPUT = ("colwise", "colwise_gather", "colwise_seq_gather")
+SHARDS_OUTPUT = ("colwise", "colwise_gather", "colwise_seq_gather", "colwise_loss", "colwise_seq_loss")
 SHARDS_INPUT = ("rowwise", "rowwise_split", "rowwise_seq")
 KEEPS_OUTPUT_SHARDED = ("colwise",)  # the next layer sees this rank's slice of the features (of the heads)
+
+
+class FirstInput(ParallelStyle):
+    """The module's first input moved from `source` to `target` placements over the tp ranks, a local tensor
+    in and out, whether it comes positionally or by its parameter's name (Hugging Face's decoder layers call
+    their attention `self_attn(hidden_states=...)`); PyTorch's PrepareModuleInput takes positional inputs
+    only, as many as its layouts."""
+
+    def __init__(self, source, target):
+        super().__init__()
+        self.source, self.target = source, target
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        name = next(iter(inspect.signature(module.forward).parameters), None)
+
+        def moved(x):
+            d = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, (self.source,), run_check=False)
+            return d.redistribute(placements=(self.target,)).to_local()
+
+        def before_forward(mod, args, kwargs):
+            if args:
+                return (moved(args[0]), *args[1:]), kwargs
+            if name in kwargs:
+                return args, {**kwargs, name: moved(kwargs[name])}
+            raise TypeError(f"{type(mod).__name__} was called without its first input ({name!r})")
+
+        module.register_forward_pre_hook(before_forward, with_kwargs=True)
+        return module
 
 
 class SumGradients(ParallelStyle):
