@@ -46,7 +46,8 @@ first, until `plan.auto_plans` plans or `plan.auto_deadline_s` seconds: a plan
 is not started when the mean time of plans of its kind (traced by depth, or
 whole: Note [planning by depth]) would pass the deadline. A layout is skipped
 unplanned when a plan already says how it ends: the same degrees, schedule and
-microbatches over the budget with no more memory (a zero at least as high with
+microbatches over the budget (or refused by the pipeline's split, no stage
+split within the budget) with no more memory (a zero at least as high with
 no more replicas, a policy keeping no less), or fitting with a policy that
 recomputes less. The planned are ranked by the step the plan prices; the top
 ten are printed with their reserved memory, step, tokens/s per device and MFU,
@@ -131,18 +132,25 @@ def _plan_in_order(cfg, world, run_dir, budget, hw, kept, data, progress, t0) ->
     """Plan `kept` (layouts with their estimates) best first, the estimate corrected by each plan, until the
     limit or the deadline; the planned candidates and the counts of those skipped, by reason."""
     state = _State(budget)
-    pending = list(kept)
+    pending, learnt = list(kept), True
     while pending:
-        pending.sort(key=lambda le: (not state.fits(*le), le[1].step))  # the corrected estimate's order
-        lay, est = pending.pop(0)
-        c = apply_overrides(cfg, lay.overrides)
-        whole = traced_whole(c, ParallelDims(lay.dp, lay.pp, lay.tp, world, lay.cp), False)
+        if learnt:  # the corrected estimate's order; a layout skipped teaches nothing
+            pending.sort(key=lambda le: (not state.fits(*le), le[1].step))
+            pending.reverse()  # the best last, for pop(); of equals the first in the sorted order
+            learnt = False
+        if len(state.found) >= cfg.plan.auto_plans:  # the limit: every layout left is past it
+            state.skipped[f"past plan.auto_plans={cfg.plan.auto_plans}"] += len(pending)
+            break
+        lay, est = pending.pop()  # the best, at the end
+        # traced whole as the layout's own config would be (its zero is the one key of it that matters)
+        whole = lay.zero == 1 or traced_whole(cfg, ParallelDims(lay.dp, lay.pp, lay.tp, world, lay.cp), False)
         why = state.known(lay) or state.no_time(cfg, whole, len(state.found), time.perf_counter() - t0)
         if why:
             state.skipped[why] += 1
             continue
         start = time.perf_counter()
-        cand = _planned(c, lay, world, run_dir, budget, hw, data)
+        learnt = True
+        cand = _planned(apply_overrides(cfg, lay.overrides), lay, world, run_dir, budget, hw, data)
         state.learn(lay, est, cand, whole, time.perf_counter() - start)
         text = cand.dropped or f"peak {human_bytes(cand.peak)}, step {cand.times['step'] * 1e3:.3g} ms"
         progress(f"auto: [{len(state.found)}] {cand.name} (estimated {human_bytes(est.peak)}, "
@@ -174,6 +182,8 @@ class _State:
             self.scale[(lay.activations, lay.pp > 1)] = self.scale[None] = cand.peak / est.peak
         elif cand.dropped.startswith("could not be planned"):
             self.failed[lay.schedule] = cand.dropped.partition(": ")[2][:80]
+        elif "no split into" in cand.dropped:  # its stages cannot fit the budget: over it, as a plan would say
+            self.outcome[lay] = False
 
     def no_time(self, cfg: Config, whole: bool, planned: int, elapsed: float) -> str | None:
         """Why no plan of this kind starts now: the limit, the deadline (at the mean of plans of its kind), or

@@ -45,10 +45,9 @@ def test_llama_hybrid_dp2_tp2_trains_as_the_users_own_loop(tmp_path):
     assert_as_plain(tmp_path, "llama")
 
 
-SEQUENCE = {  # model, strategy keys, what the printed plan shows
-    "llama_sequence": ("llama", ["strategy.sequence_parallel=true"], "model.layers.0:seq_split"),
+SEQUENCE = {  # model, strategy keys, what the printed plan shows (the head without sequence parallelism: gpt's)
     "llama_sequence_loss": ("llama", ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"],
-                            "lm_head:colwise_seq_loss"),
+                            "model.layers.0:seq_split"),
     "qwen3_loss": ("qwen3", ["strategy.loss_parallel=true"], "lm_head:colwise_loss"),
 }
 
@@ -64,4 +63,5 @@ def test_sequence_and_loss_parallel_on_a_models_own_plan_train_as_the_users_own_
     model, keys, shown = SEQUENCE[case]
     proc = cli.run(args(model) + TP2 + keys + [f"run_dir={tmp_path}"], cwd=tmp_path)
     assert shown in proc.stdout + proc.stderr
+    assert ("lm_head:colwise_seq_loss" in proc.stdout + proc.stderr) == (case == "llama_sequence_loss")
     assert_as_plain(tmp_path, model)

@@ -8,10 +8,6 @@ CASES = {
     "gpt": ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4", "data.seq_len=16"],
     "gpt_sequence_parallel": ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4",
                               "data.seq_len=16", "strategy.sequence_parallel=true"],
-    # the logits split by the vocabulary, the cross-entropy on the pieces (Note [loss parallelism])
-    "gpt_sequence_and_loss_parallel": ["model=gpt", "data.task=lm", "model.args.dim=32", "model.args.heads=4",
-                                       "data.seq_len=16", "strategy.sequence_parallel=true",
-                                       "strategy.loss_parallel=true"],
     "user_plan": ["model=custom", "model._target_=tests.user_model.feed_forwards",
                   "strategy.tp_plan=[pairs.*.up:colwise,pairs.*.down:rowwise]"],
     "user_inferred_plan": ["model=custom", "model._target_=tests.user_model.feed_forwards"],
@@ -25,7 +21,7 @@ CASES = {
     "titan_fused_qkv_inferred": ["model=custom", "model._target_=tests.user_model.titan_llama", "data.task=lm",
                                  "data.seq_len=16"],
 }
-TP_ONLY = ("tp_plan", "sequence_parallel", "loss_parallel")
+TP_ONLY = ("tp_plan", "sequence_parallel")
 
 
 @pytest.mark.timeout(300)

@@ -135,3 +135,19 @@ def test_tensor_parallel_layouts_cut_the_sequence_where_the_models_plan_takes_it
     model = build_meta_model(cfg.model)
     assert cluster._cuts_sequence(model, _cfg(seq=32), None)
     assert not cluster._cuts_sequence(model, _cfg(seq=32, loss__name="mse"), None)
+
+
+def test_a_pipeline_whose_split_cannot_fit_rules_out_its_layouts_with_no_less_memory():
+    """A layout refused by the pipeline's split (no stages within memory.budget) is learnt as over the budget:
+    the same pipeline with more replicas, a lower zero or more activations kept is not planned again; one with
+    less memory is."""
+    state = cluster._State(budget=10**9)
+    lay = Layout(32, 1, 8, 1, zero=3, replicate=2, activations="checkpoint", schedule="ZBVZeroBubble", stages=2,
+                 microbatches=16)
+    cand = lay.candidate()
+    cand.dropped = "does not apply: memory.budget=96GB: no split into 16 stages fits 96000000000 bytes per stage"
+    state.learn(lay, None, cand, True, 1.0)
+    for other in (dataclasses.replace(lay, replicate=4), dataclasses.replace(lay, zero=2),
+                  dataclasses.replace(lay, activations="device")):
+        assert state.known(other) == "no less memory than a plan over the budget"
+    assert state.known(dataclasses.replace(lay, replicate=1)) is None  # fewer replicas: less memory

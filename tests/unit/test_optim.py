@@ -15,7 +15,7 @@ from parallel.optim import (
     state_shapes,
 )
 from parallel.planning.planner import plan
-from parallel.strategies.pipeline.partition import BlockCost, stage_memory
+from parallel.strategies.pipeline.partition import BlockCost, held_shares, stage_memory
 from parallel.validate import validate
 
 
@@ -157,6 +157,9 @@ def test_state_per_weight_the_pipeline_balancer_counts(target, args, state):
     assert state_per_weight(cfg) == state
     block = BlockCost(name="b", params=10, param_bytes=40, act_bytes=8)
     assert stage_memory([block], in_flight=2, state=state) == (2 + state) * 40 + 2 * 8
+    # ZeRO over 4 ranks: the state from zero 1, the gradients from 2, the weights at 3 held a quarter each
+    for zero, held in ((1, 2 + state / 4), (2, 1 + 1 / 4 + state / 4), (3, (2 + state) / 4)):
+        assert stage_memory([block], 2, state, held_shares(zero, 4)) == int(held * 40) + 2 * 8
 
 
 def _zero1_worker(rank: int, world: int, store_path: str, bucket: int) -> None:

@@ -66,6 +66,21 @@ def test_balancer_respects_a_memory_budget():
         partition.balance(costs, 2, memory, budget=25)
 
 
+def test_the_split_holds_the_states_zero_shards_against_the_budget():
+    """Under strategy=hybrid with dp 4 and zero 3 a rank holds a quarter of its stage's weights, gradients and
+    optimizer state: a budget no split fits unsharded fits sharded (the split's check counts what a rank holds)."""
+    def cfg(zero: int) -> Config:
+        c = Config()
+        c.strategy.name, c.strategy.dp, c.strategy.pp, c.strategy.zero = "hybrid", 4, 2, zero
+        c.model.args = {"in_features": 32, "out_features": 4, "depth": 2, "hidden": 512}
+        c.memory.budget = "4MB"
+        return c
+
+    with pytest.raises(ConfigError, match="memory.budget=4MB: no split into 2 stages fits"):
+        validate(cfg(0), 8)
+    validate(cfg(3), 8)
+
+
 def _pipeline_cfg(**strategy) -> Config:
     cfg = Config()
     cfg.strategy.name = "pipeline"

@@ -10,8 +10,11 @@ is traced from the forward (Note [tracing for the pipeline] in trace.py), so
 values that skip over stages and non-Sequential control flow are carried
 correctly. Costs:
   params  trainable parameter count;
-  memory  bytes of weights + gradients + optimizer state + activations saved for
-          backward for the microbatches a stage holds at once;
+  memory  bytes of weights + gradients + optimizer state (the shares one rank
+          holds under ZeRO) + activations saved for backward for the
+          microbatches a stage holds at once (what autograd saves in one
+          forward, counted on fake tensors; under strategy.activations=checkpoint
+          each block's input alone, which is what a block recomputed whole keeps);
   time    forward + backward time of one microbatch, measured on a real copy of
           the block on the CPU, or estimated from its FLOPs (counted on meta
           tensors) at the rate measured on the other blocks when the block is
@@ -30,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from parallel.blocks import repeated_blocks
 from parallel.tensors import faking
 
 
@@ -41,6 +45,8 @@ class BlockCost:
     params: int
     param_bytes: int
     act_bytes: int = 0
+    input_bytes: int = 0  # its floating-point inputs: what it keeps when recomputed whole
+    repeated: bool = False  # one of the model's repeated blocks (those strategy.activations recomputes)
     time_s: float = 0.0
     flops: int = 0
     measured: bool = False
@@ -61,33 +67,42 @@ def _fwd_bwd(module: nn.Module, args, kwargs) -> None:
         torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
 
 
-def _saved_bytes(module: nn.Module, args, kwargs) -> int:
-    """Bytes of the tensors autograd saves for backward during one forward (each storage once)."""
+def _saved_bytes(module: nn.Module, args, kwargs, backward: bool = False) -> int:
+    """Bytes of the tensors autograd saves for backward during one forward (each storage once, told by its
+    StorageImpl: fake tensors' storages have no data pointer), then the backward when `backward`."""
     seen: dict[int, int] = {}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args, **kwargs)
+        if backward:
+            _fwd_bwd(module, args, kwargs)
+        else:
+            module(*args, **kwargs)
     return sum(seen.values())
 
 
 def measure(model: nn.Module, names: list[str], inputs: dict, measure_limit_bytes: int = 256 << 20,
             repeats: int = 5) -> list[BlockCost]:
     """Cost of each candidate block for one microbatch (see Note [pipeline partitioning])."""
-    blocks = []
+    blocks, repeated = [], set(repeated_blocks(model))
     for name in names:
         mod = model.get_submodule(name)
         params = [p for p in mod.parameters() if p.requires_grad]
-        b = BlockCost(name, sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params))
+        b = BlockCost(name, sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params),
+                      repeated=name in repeated)
         args, kwargs = inputs[name]
+        b.input_bytes = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs))[0]
+                            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point)
         # On fake tensors (parallel.tensors.faking): a Hugging Face block may read values of its inputs.
         with faking(), FlopCounterMode(display=False) as fc:
-            _fwd_bwd(mod, *tree_map(lambda t: t.detach().requires_grad_(t.dtype.is_floating_point)
-                                    if isinstance(t, torch.Tensor) else t, (args, kwargs)))
-        b.flops = fc.get_total_flops()
+            fake_saved = _saved_bytes(mod, *tree_map(lambda t: t.detach().requires_grad_(t.dtype.is_floating_point)
+                                                     if isinstance(t, torch.Tensor) else t, (args, kwargs)),
+                                      backward=True)
+        b.flops, b.act_bytes = fc.get_total_flops(), fake_saved
         for p in mod.parameters():
             p.grad = None  # the meta backward above must leave nothing behind in the model
         if b.param_bytes <= measure_limit_bytes:
@@ -119,14 +134,24 @@ def _estimate_unmeasured(blocks: list[BlockCost]) -> None:
     rate = sum(b.flops for b in measured) / max(1e-9, sum(b.time_s for b in measured)) if measured else 1e10
     for b in blocks:
         if not b.measured:
-            b.time_s = b.flops / rate
-            b.act_bytes = b.param_bytes  # without a run, assume activations as large as weights
+            b.time_s = b.flops / rate  # its saved bytes: those counted on fake tensors
 
-
-def stage_memory(blocks: list[BlockCost], in_flight: int, state: float = 2.0) -> int:
+def stage_memory(blocks: list[BlockCost], in_flight: int, state: float = 2.0,
+                 shares: tuple[float, float, float] = (1.0, 1.0, 1.0), recomputed: bool = False) -> int:
     """Weights + grads + the optimizer's state (`state` x the weights: AdamW's two moments 2, SGD with momentum
-    1) + saved activations of `in_flight` microbatches."""
-    return sum(int((2 + state) * b.param_bytes) + in_flight * b.act_bytes for b in blocks)
+    1) + saved activations of `in_flight` microbatches; `shares`: the part of the weights, gradients and state
+    one rank holds (ZeRO's shards over the data-parallel ranks, `held_shares`); `recomputed`: each repeated
+    block recomputed whole in backward, keeping its input alone."""
+    w, g, o = shares
+    return sum(int((w + g + state * o) * b.param_bytes) +
+               in_flight * (b.input_bytes if recomputed and b.repeated else b.act_bytes) for b in blocks)
+
+
+def held_shares(zero: int, shard_ranks: int) -> tuple[float, float, float]:
+    """The part of a stage's weights, gradients and optimizer state one rank holds at ZeRO level `zero` over a
+    shard group of `shard_ranks` ranks: the state from zero 1, the gradients from 2, the weights at 3."""
+    n = max(shard_ranks, 1)
+    return (1 / n if zero >= 3 else 1.0, 1 / n if zero >= 2 else 1.0, 1 / n if zero >= 1 else 1.0)
 
 
 def cost_of(block: BlockCost, balance: str, in_flight: int = 1, state: float = 2.0) -> float:

@@ -171,7 +171,7 @@ def _balanced_starts(cfg: Config, blocks: list[partition.BlockCost], n_stages: i
     s = cfg.strategy
     state = state_per_weight(cfg)
     costs = [partition.cost_of(b, s.balance, in_flight, state) for b in blocks]
-    mem = [partition.stage_memory([b], in_flight, state) for b in blocks]
+    mem = [partition.stage_memory([b], in_flight, state, _shares(cfg), _recomputed(cfg)) for b in blocks]
     budget = budget_bytes(cfg.memory)
     try:
         return partition.balance(costs, n_stages, mem, budget, allowed)
@@ -314,8 +314,22 @@ def _rows(cfg: Config, blocks: list[partition.BlockCost], starts_idx: list[int],
         rows.append({"stage": i, "rank": ranks[i], "first": group[0].name, "last": group[-1].name,
                      "blocks": len(group), "params": sum(b.params for b in group),
                      "time_ms": 1e3 * sum(b.time_s for b in group),
-                     "memory_bytes": partition.stage_memory(group, in_flight, state_per_weight(cfg))})
+                     "memory_bytes": partition.stage_memory(group, in_flight, state_per_weight(cfg), _shares(cfg),
+                                                            _recomputed(cfg))})
     return rows
+
+
+def _recomputed(cfg: Config) -> bool:
+    """Every block recomputed whole in backward (strategy.activations=checkpoint): it keeps its input alone."""
+    return cfg.strategy.activations == "checkpoint"
+
+
+def _shares(cfg: Config) -> tuple[float, float, float]:
+    """What one rank holds of a stage's states: ZeRO's shards over the dp x cp ranks of its shard group
+    (dp / dp_replicate of them under hybrid sharding, Note [hybrid sharding])."""
+    s = cfg.strategy
+    ranks = (s.dp or 1) * (s.cp or 1) // (s.dp_replicate or 1)
+    return partition.held_shares(s.zero or 0, ranks)
 
 
 def format_split(split: Split) -> str:

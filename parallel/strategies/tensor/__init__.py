@@ -66,8 +66,8 @@ from parallel.strategies.tensor.styles import STYLES, make_style
 from parallel.strategies.tensor.traced import traced_layers
 from parallel.tensors import as_call
 
-__all__ = ["STYLES", "apply_tensor", "check_loss_parallel", "check_plan", "check_tensor_keys", "infer_plan", "resolve_plan", "shard",
-           "tensor_plan"]
+__all__ = ["STYLES", "apply_tensor", "check_loss_parallel", "check_plan", "check_tensor_keys", "infer_plan",
+           "resolve_plan", "shard", "tensor_plan"]
 
 
 def resolve_plan(model: nn.Module, tp: int, entries: Sequence[str] = (), sequence_parallel: bool = False,
