@@ -178,8 +178,10 @@ def enumerate_layouts(world: int, shape: ModelShape, cfg: Config, per_node: int)
                 pipes = [(None, 1, 1)] if pp == 1 else _pipelines(pp, per_rank, shape, cfg.strategy, refused)
                 sp = shape.cuts_sequence and tp > 1 and pp == cp == 1 and cfg.data.seq_len % tp == 0
                 for schedule, stages, m in pipes:
+                    # a backward in two halves recomputes twice, which torch's checkpoint cannot (check_pipeline)
+                    policies = ("device",) if schedule in schedules.SPLIT_BACKWARD else POLICIES
                     for zero, r in _shardings(dp * cp, dp):
-                        out += [Layout(dp, tp, pp, cp, zero, r, a, schedule, stages, m, sp) for a in POLICIES]
+                        out += [Layout(dp, tp, pp, cp, zero, r, a, schedule, stages, m, sp) for a in policies]
     return out, refused
 
 

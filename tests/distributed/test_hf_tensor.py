@@ -1,7 +1,8 @@
 """strategy=model (tensor parallelism) and strategy=hybrid (dp x tp) on Hugging Face models train exactly as
 the user's own plain PyTorch loop (tests.hf_models.plain_loop): Llama by its own plan (grouped-query
-attention, a vocabulary-split embedding), Qwen3 by its own plan (its per-head norms' gradients summed), GPT-2
-by an inferred plan over its Conv1D layers, BERT by an inferred plan, each on 2 ranks; Llama on dp2 x tp2."""
+attention, a vocabulary-split embedding; and with sequence and loss parallelism), Qwen3 by its own plan (its
+per-head norms' gradients summed; with loss parallelism), GPT-2 by an inferred plan over its Conv1D layers,
+BERT by an inferred plan, each on 2 ranks; Llama on dp2 x tp2."""
 import pytest
 
 from tests import cli
@@ -29,12 +30,15 @@ def test_llama_own_plan_from_a_directory_trains_as_from_pretrained(tmp_path, hf_
 
 
 @pytest.mark.timeout(180)
-def test_qwen3_own_plan_trains_as_the_users_own_loop(tmp_path):
+def test_qwen3_own_plan_with_loss_parallelism_trains_as_the_users_own_loop(tmp_path):
     """Qwen3's own plan: q_norm and k_norm, applied to each rank's own heads, whole with their gradients summed
     over the ranks (replicated_with_grad_allreduce, here replicate_grads); the first step's check of the weights
-    left whole passes, and every weight, the norms' included, ends as the plain loop's."""
-    proc = cli.run(args("qwen3") + TP2 + [f"run_dir={tmp_path}"], cwd=tmp_path)
-    assert "q_norm:replicate_grads" in proc.stdout + proc.stderr
+    left whole passes, and every weight, the norms' included, ends as the plain loop's. With
+    strategy.loss_parallel=true (Note [loss parallelism]): the logits split by the vocabulary, the
+    cross-entropy on the pieces."""
+    proc = cli.run(args("qwen3") + TP2 + ["strategy.loss_parallel=true", f"run_dir={tmp_path}"], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "q_norm:replicate_grads" in out and "lm_head:colwise_loss" in out
     assert_as_plain(tmp_path, "qwen3")
 
 
@@ -45,23 +49,14 @@ def test_llama_hybrid_dp2_tp2_trains_as_the_users_own_loop(tmp_path):
     assert_as_plain(tmp_path, "llama")
 
 
-SEQUENCE = {  # model, strategy keys, what the printed plan shows (the head without sequence parallelism: gpt's)
-    "llama_sequence_loss": ("llama", ["strategy.sequence_parallel=true", "strategy.loss_parallel=true"],
-                            "model.layers.0:seq_split"),
-    "qwen3_loss": ("qwen3", ["strategy.loss_parallel=true"], "lm_head:colwise_loss"),
-}
-
-
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", sorted(SEQUENCE))
-def test_sequence_and_loss_parallel_on_a_models_own_plan_train_as_the_users_own_loop(tmp_path, case):
+def test_sequence_and_loss_parallel_on_llamas_own_plan_train_as_the_users_own_loop(tmp_path):
     """strategy.sequence_parallel=true on the model's own plan (Note [sequence parallelism for a model's own
     plan]): the residual stream between the projections cut by the sequence over the 2 ranks, the norms on the
-    shards (their weights' gradients summed), the rotary tables and the causal mask of the whole sequence;
-    strategy.loss_parallel=true (Note [loss parallelism]): the logits split by the vocabulary, the cross-entropy
-    on the pieces, with and without sequence parallelism."""
-    model, keys, shown = SEQUENCE[case]
-    proc = cli.run(args(model) + TP2 + keys + [f"run_dir={tmp_path}"], cwd=tmp_path)
-    assert shown in proc.stdout + proc.stderr
-    assert ("lm_head:colwise_seq_loss" in proc.stdout + proc.stderr) == (case == "llama_sequence_loss")
-    assert_as_plain(tmp_path, model)
+    shards (their weights' gradients summed), the rotary tables and the causal mask of the whole sequence; with
+    strategy.loss_parallel=true the head's logits split by the vocabulary over the sequence it gathers."""
+    proc = cli.run(args("llama") + TP2 + ["strategy.sequence_parallel=true", "strategy.loss_parallel=true",
+                                          f"run_dir={tmp_path}"], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "model.layers.0:seq_split" in out and "lm_head:colwise_seq_loss" in out
+    assert_as_plain(tmp_path, "llama")

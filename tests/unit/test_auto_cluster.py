@@ -142,7 +142,7 @@ def test_a_pipeline_whose_split_cannot_fit_rules_out_its_layouts_with_no_less_me
     the same pipeline with more replicas, a lower zero or more activations kept is not planned again; one with
     less memory is."""
     state = cluster._State(budget=10**9)
-    lay = Layout(32, 1, 8, 1, zero=3, replicate=2, activations="checkpoint", schedule="ZBVZeroBubble", stages=2,
+    lay = Layout(32, 1, 8, 1, zero=3, replicate=2, activations="checkpoint", schedule="Interleaved1F1B", stages=2,
                  microbatches=16)
     cand = lay.candidate()
     cand.dropped = "does not apply: memory.budget=96GB: no split into 16 stages fits 96000000000 bytes per stage"

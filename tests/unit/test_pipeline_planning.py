@@ -6,7 +6,7 @@ from parallel.blocks import candidates
 from parallel.config import Config, ConfigError
 from parallel.models.build import build_meta_model
 from parallel.runtime import Runtime
-from parallel.strategies.pipeline import partition, plan_split, schedules
+from parallel.strategies.pipeline import partition, plan_split, schedules, split
 from parallel.validate import validate
 from tests.user_model import Heavy
 
@@ -66,19 +66,21 @@ def test_balancer_respects_a_memory_budget():
         partition.balance(costs, 2, memory, budget=25)
 
 
-def test_the_split_holds_the_states_zero_shards_against_the_budget():
-    """Under strategy=hybrid with dp 4 and zero 3 a rank holds a quarter of its stage's weights, gradients and
-    optimizer state: a budget no split fits unsharded fits sharded (the split's check counts what a rank holds)."""
-    def cfg(zero: int) -> Config:
-        c = Config()
-        c.strategy.name, c.strategy.dp, c.strategy.pp, c.strategy.zero = "hybrid", 4, 2, zero
-        c.model.args = {"in_features": 32, "out_features": 4, "depth": 2, "hidden": 512}
-        c.memory.budget = "4MB"
-        return c
-
-    with pytest.raises(ConfigError, match="memory.budget=4MB: no split into 2 stages fits"):
-        validate(cfg(0), 8)
-    validate(cfg(3), 8)
+def test_the_split_holds_what_one_rank_holds_against_the_budget():
+    """A stage's memory in the split's budget check is one rank's: under strategy=hybrid with dp 4 and zero 3 a
+    quarter of its weights, gradients and optimizer state; under strategy.activations=checkpoint a repeated
+    block's input alone for each microbatch in flight (a budget no split fits otherwise fits then)."""
+    blocks = [partition.BlockCost(f"b{i}", 10, 400, act_bytes=100, input_bytes=10, repeated=True) for i in range(4)]
+    cfg = Config()
+    cfg.strategy.name, cfg.strategy.dp, cfg.strategy.pp, cfg.memory.budget = "hybrid", 4, 2, "2KB"
+    cfg.strategy.balance = "params"  # equal blocks: an even split where it fits
+    with pytest.raises(ConfigError, match="memory.budget=2KB: no split into 2 stages fits"):
+        split._balanced_starts(cfg, blocks, 2, set(range(4)), in_flight=2)  # 2 x (1600 + 200) per stage
+    cfg.strategy.zero = 3
+    assert split._balanced_starts(cfg, blocks, 2, set(range(4)), 2) == [0, 2]  # 2 x (400 + 200)
+    cfg.strategy.zero, cfg.strategy.activations = 0, "checkpoint"
+    cfg.memory.budget = "3.3KB"
+    assert split._balanced_starts(cfg, blocks, 2, set(range(4)), 2) == [0, 2]  # 2 x (1600 + 20)
 
 
 def _pipeline_cfg(**strategy) -> Config:
@@ -102,6 +104,10 @@ BAD = [
     ({"split_points": ["inp"]}, "strategy.split_points"),
     ({"split_points": ["blocks.0", "blocks.1"]}, "strategy.split_points"),
     ({"balance": "vibes"}, "strategy.balance"),
+    # a backward in two halves recomputes twice, which torch's checkpoint cannot
+    ({"schedule": "ZBVZeroBubble", "stages_per_rank": 2, "activations": "checkpoint"}, "strategy.activations"),
+    ({"schedule": "InterleavedZeroBubble", "stages_per_rank": 2, "activations": "selective"},
+     "strategy.activations"),
     ({"dp": 2}, "strategy.dp"),
 ]
 

@@ -27,6 +27,13 @@ def check_pipeline(cfg: Config, per_rank: int) -> None:
     if s.schedule in schedules.V_SHAPED:  # Note [torch versions] in parallel/torch_compat.py
         require_release("2.12", "a V-shaped schedule's stage pairs", "strategy.schedule", s.schedule,
                         [n for n in schedules.SCHEDULES if n not in schedules.V_SHAPED])
+    if s.schedule in schedules.SPLIT_BACKWARD and s.activations in ("checkpoint", "selective"):
+        fail("strategy.activations", s.activations,
+             f"under strategy.schedule={s.schedule}, whose backward runs in two halves (the input's gradient, then "
+             f"the weights'): each half recomputes the blocks, and torch's checkpoint cannot enter its "
+             f"recomputation a second time (AttributeError: '_GeneratorContextManager' object has no attribute "
+             f"'args', torch 2.13)",
+             ["strategy.activations=device", "strategy.schedule=Interleaved1F1B (or GPipe, 1F1B, LoopedBFS)"])
     why = schedules.check(s.schedule, s.pp, s.stages_per_rank, s.microbatches)
     if why:
         fail(f"strategy.schedule={s.schedule} with strategy.stages_per_rank={s.stages_per_rank} and "

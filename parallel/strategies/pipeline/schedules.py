@@ -11,6 +11,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# Backward split into the input's and the weights' halves (zero-bubble schedules)
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def canonical(name: str) -> str | None:
