@@ -33,12 +33,10 @@ from parallel.blocks import repeated_blocks
 from parallel.config import ConfigError
 from parallel.strategies.tensor.styles import SHARDS_INPUT
 
-SEQUENCE_STYLES = ("seq_split", "seq_gather", "rowwise_seq", "colwise_seq_gather", "sequence")
-
 
 def is_norm(module: nn.Module) -> bool:
     """A normalization layer (PyTorch's LayerNorm and RMSNorm, Hugging Face's *RMSNorm, *LayerNorm)."""
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("Norm", "NormLayer"))
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
 def with_sequence_parallel(model: nn.Module, plan: dict[str, str], seq_len: int | None, tp: int) -> dict[str, str]:
